@@ -1,0 +1,41 @@
+"""memento: reverse-mode gradients through long loops, under a memory budget.
+
+``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
+`fwdrev_grad`, `meta`) load on first use.
+"""
+
+import importlib as _importlib
+
+from .planning import (
+    Op as Op,
+    Schedule as Schedule,
+    ScheduleError as ScheduleError,
+    SimulationResult as SimulationResult,
+    simulate as simulate,
+)
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute); attribute None means the module itself.
+_LAZY = {
+    "scan": ("memento.loops", "scan"),
+    "while_loop": ("memento.loops", "while_loop"),
+    "bytes_budget": ("memento.loops", "bytes_budget"),
+    "fwdrev_grad": ("memento.meta", "fwdrev_grad"),
+    "meta": ("memento.meta", None),
+    "loops": ("memento.loops", None),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = _importlib.import_module(module)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memento' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,294 @@
+"""Schedules as plain data, and the simulator that replays them.
+
+Index conventions (used everywhere in memento):
+
+- position ``p`` (0 <= p <= t): the hidden state ``h_p`` after ``p`` steps; ``h_0`` is the
+  initial carry.
+- step ``p`` (0 <= p < t): the body applied to ``h_p`` (and ``xs[p]``), producing ``h_{p+1}``
+  and ``ys[p]``.
+
+A schedule is an ``(n, 3)`` integer array; each row is ``(op, arg, pos)``:
+
+============== ===================================================================
+op             meaning (``cur`` is the position of the current, working state)
+============== ===================================================================
+ADVANCE        ``arg`` primal steps from ``cur == pos``; then ``cur = pos + arg``.
+SAVE_HIDDEN    store ``h_pos`` (``cur == pos``) in hidden slot ``arg``.
+SAVE_INTERNAL  run step ``pos`` (``cur == pos``) keeping its residuals; store the
+               internal state (residuals and output state ``h_{pos+1}``) in internal
+               slot ``arg``; then ``cur = pos + 1``.
+LOAD_HIDDEN    ``cur = pos`` from hidden slot ``arg``; ``arg == -1`` is the initial
+               state ``h_0``, which the caller always holds.
+LOAD_INTERNAL  ``cur = pos`` from the output state of internal slot ``arg``, which
+               holds step ``pos - 1``.
+BACKWARD_INTERNAL  back-propagate step ``pos`` from internal slot ``arg``.
+BACKWARD_FUSED     run step ``pos`` (``cur == pos``) with its residuals and
+                   back-propagate it at once (``arg`` unused, 0).
+FREE_HIDDEN    release hidden slot ``arg`` (holding ``h_pos``).
+FREE_INTERNAL  release internal slot ``arg`` (holding step ``pos``).
+============== ===================================================================
+
+Every forward evaluation of the body is one of: a step of ADVANCE, a SAVE_INTERNAL, or
+a BACKWARD_FUSED. Their total is the schedule's cost, the paper's C(t, m).
+
+Memory, in slots of one hidden state each (the paper's m): a hidden slot takes 1, an
+internal slot ``alpha`` (``beta`` when its input state ``h_pos`` is held at that moment,
+section 3.4 of Gruslys et al.). ``h_0`` takes 1 when the policy counts it (HSM, MSM,
+chains), nothing for ISM (the paper's section 3.2 treats it as given). The working state
+of a fused step is free, as in the paper.
+
+Every schedule starts with a *first sweep*: ADVANCE / SAVE_* rows only, walking from
+position 0 to step t-1 in order, ending with either BACKWARD_FUSED of step t-1 or
+SAVE_INTERNAL of step t-1. Executors run that prefix in the forward pass (it produces
+every ``ys[p]`` once) and the rest in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import numpy as np
+
+__all__ = ["Op", "Schedule", "SimulationResult", "ScheduleError"]
+
+
+class Op(enum.IntEnum):
+    """Opcodes of a schedule row ``(op, arg, pos)``; see the module docstring."""
+
+    ADVANCE = 0
+    SAVE_HIDDEN = 1
+    SAVE_INTERNAL = 2
+    LOAD_HIDDEN = 3
+    LOAD_INTERNAL = 4
+    BACKWARD_INTERNAL = 5
+    BACKWARD_FUSED = 6
+    FREE_HIDDEN = 7
+    FREE_INTERNAL = 8
+
+
+INITIAL = -1  # the hidden "slot" of h_0, always held by the caller
+
+
+class ScheduleError(ValueError):
+    """A schedule broke a rule of the replay (see `Schedule.simulate`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """What an independent replay of a schedule counted.
+
+    Attributes:
+        forward_evaluations: body evaluations, first sweep included (the paper's C).
+        peak_memory: most slots in use at once (h_0 included when the policy counts it).
+        peak_hidden_slots: most hidden slots (excluding h_0) live at once.
+        peak_internal_slots: most internal slots live at once.
+        sweep_length: number of rows of the first sweep (the forward-pass prefix).
+    """
+
+    forward_evaluations: int
+    peak_memory: int
+    peak_hidden_slots: int
+    peak_internal_slots: int
+    sweep_length: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """An explicit checkpointing schedule for back-propagating through ``num_steps`` steps.
+
+    Attributes:
+        num_steps: the sequence length, the paper's t.
+        memory: the budget in slots, the paper's m.
+        policy: ``"hsm"``, ``"ism"``, ``"msm"``, ``"chain"`` or a baseline's name.
+        cost: forward evaluations of the plan (first sweep included), the paper's C(t, m).
+        actions: ``(n, 3)`` int64 array of rows ``(op, arg, pos)``.
+        alpha: slots taken by an internal state.
+        beta: slots taken by an internal state whose input state is already held.
+        counts_initial: whether ``h_0`` takes a slot of ``memory``.
+        hidden_sizes, internal_sizes: per-position sizes for heterogeneous chains
+            (``None`` for uniform loops); override ``1``/``alpha``/``beta``.
+    """
+
+    num_steps: int
+    memory: int
+    policy: str
+    cost: int
+    actions: np.ndarray
+    alpha: int = 1
+    beta: int = 1
+    counts_initial: bool = True
+    hidden_sizes: tuple[int, ...] | None = None
+    internal_sizes: tuple[int, ...] | None = None
+    forward_costs: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        actions = np.asarray(self.actions, dtype=np.int64).reshape(-1, 3)
+        actions.setflags(write=False)
+        object.__setattr__(self, "actions", actions)
+
+    def __repr__(self) -> str:
+        return (
+            f"Schedule(policy={self.policy!r}, num_steps={self.num_steps}, "
+            f"memory={self.memory}, cost={self.cost}, peak_memory={self.peak_memory}, "
+            f"actions={len(self.actions)})"
+        )
+
+    @property
+    def cost_per_step(self) -> float:
+        return self.cost / self.num_steps
+
+    @functools.cached_property
+    def _replay(self) -> SimulationResult:
+        return simulate(self)
+
+    @property
+    def peak_memory(self) -> int:
+        """Most slots in use at once, as counted by the replay."""
+        return self._replay.peak_memory
+
+    def simulate(self) -> SimulationResult:
+        """Replay the schedule and check it; see `simulate`."""
+        return simulate(self)
+
+    def executable(self) -> np.ndarray:
+        """The rows an executor runs: the schedule without FREE rows."""
+        keep = (self.actions[:, 0] != Op.FREE_HIDDEN) & (self.actions[:, 0] != Op.FREE_INTERNAL)
+        return self.actions[keep]
+
+
+def _hidden_size(s: Schedule, pos: int) -> int:
+    return 1 if s.hidden_sizes is None else s.hidden_sizes[pos]
+
+
+def simulate(s: Schedule) -> SimulationResult:
+    """Replays ``s`` step by step, independently of how it was planned, and checks it.
+
+    Checks: every step is back-propagated exactly once, in reverse order (t-1 first), each
+    from a state that the replay itself restored or computed; every load reads a live slot
+    that holds what the row claims; no live slot is overwritten; the schedule starts with
+    a first sweep (see the module docstring); slots in use never exceed ``s.memory``.
+
+    Returns:
+        The counted forward evaluations and memory (`SimulationResult`).
+
+    Raises:
+        ScheduleError: on the first broken rule, naming the row.
+    """
+    t = s.num_steps
+    cur: int | None = 0  # position of the working state; None when there is none
+    hidden: dict[int, int] = {}  # slot -> position
+    internal: dict[int, tuple[int, int]] = {}  # slot -> (step, size)
+    used = s.hidden_sizes[0] if (s.hidden_sizes is not None and s.counts_initial) else int(
+        s.counts_initial
+    )
+    peak = used
+    peak_h = peak_i = 0
+    evals = 0
+    expect = t - 1  # next step to back-propagate
+    sweep_end: int | None = None
+    sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
+
+    def fail(i: int, msg: str):
+        raise ScheduleError(f"row {i} {tuple(int(v) for v in s.actions[i])}: {msg}")
+
+    def internal_size(pos: int) -> int:
+        # beta when the input state h_pos is held at this moment (section 3.4).
+        held = (
+            pos == 0
+            or pos in hidden.values()
+            or any(step == pos - 1 for step, _ in internal.values())
+        )
+        if s.internal_sizes is not None:
+            full = s.internal_sizes[pos]
+            return full - _hidden_size(s, pos) if held and pos > 0 else full
+        return s.beta if held else s.alpha
+
+    for i, (op, arg, pos) in enumerate(s.actions.tolist()):
+        in_sweep = sweep_end is None
+        if op == Op.ADVANCE:
+            # Advancing to h_t is never needed: the last step is always fused or saved.
+            if arg < 1 or cur != pos or pos + arg > t - 1:
+                fail(i, f"cannot advance {arg} from position {pos} (current {cur}, t={t})")
+            cur = pos + arg
+            if s.forward_costs is None:
+                evals += arg
+            else:
+                evals += sum(s.forward_costs[pos : pos + arg])
+        elif op == Op.SAVE_HIDDEN:
+            if cur != pos or arg in hidden or arg < 0:
+                fail(i, f"cannot save h_{pos} in hidden slot {arg} (current {cur})")
+            hidden[arg] = pos
+            used += _hidden_size(s, pos)
+            peak_h = max(peak_h, len(hidden))
+        elif op == Op.SAVE_INTERNAL:
+            if cur != pos or arg in internal or arg < 0 or pos >= t:
+                fail(i, f"cannot save step {pos} in internal slot {arg} (current {cur})")
+            size = internal_size(pos)
+            internal[arg] = (pos, size)
+            used += size
+            peak_i = max(peak_i, len(internal))
+            cur = pos + 1
+            evals += 1 if s.forward_costs is None else s.forward_costs[pos]
+        elif op == Op.LOAD_HIDDEN:
+            ok = (arg == INITIAL and pos == 0) or hidden.get(arg) == pos
+            if not ok:
+                fail(i, f"hidden slot {arg} does not hold h_{pos}")
+            cur = pos
+        elif op == Op.LOAD_INTERNAL:
+            if arg not in internal or internal[arg][0] != pos - 1:
+                fail(i, f"internal slot {arg} does not hold step {pos - 1}")
+            cur = pos
+        elif op == Op.BACKWARD_INTERNAL:
+            if arg not in internal or internal[arg][0] != pos or pos != expect:
+                fail(i, f"cannot back-propagate step {pos} from internal slot {arg}; "
+                     f"expected step {expect}")
+            expect -= 1
+            cur = None
+        elif op == Op.BACKWARD_FUSED:
+            if cur != pos or pos != expect:
+                fail(i, f"cannot back-propagate step {pos} fused (current {cur}, "
+                     f"expected step {expect})")
+            expect -= 1
+            cur = None
+            evals += 1 if s.forward_costs is None else s.forward_costs[pos]
+        elif op == Op.FREE_HIDDEN:
+            if hidden.get(arg) != pos:
+                fail(i, f"hidden slot {arg} does not hold h_{pos}")
+            del hidden[arg]
+            used -= _hidden_size(s, pos)
+        elif op == Op.FREE_INTERNAL:
+            if arg not in internal or internal[arg][0] != pos:
+                fail(i, f"internal slot {arg} does not hold step {pos}")
+            used -= internal.pop(arg)[1]
+        else:
+            fail(i, f"unknown op {op}")
+        if in_sweep:
+            if op in (Op.ADVANCE, Op.SAVE_INTERNAL):
+                if pos != sweep_pos:
+                    fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
+                sweep_pos = cur if cur is not None else sweep_pos
+            elif op == Op.BACKWARD_FUSED:
+                if pos != t - 1 or sweep_pos != t - 1:
+                    fail(i, "the first sweep must end at step t-1")
+                sweep_end = i
+            elif op == Op.BACKWARD_INTERNAL:
+                if sweep_pos != t:
+                    fail(i, "the first sweep must end at step t-1")
+                sweep_end = i
+            elif op not in (Op.SAVE_HIDDEN, Op.FREE_HIDDEN, Op.FREE_INTERNAL):
+                fail(i, "only ADVANCE and SAVE rows may come before the first backward")
+        peak = max(peak, used)
+        if used > s.memory:
+            fail(i, f"{used} slots in use, over the budget of {s.memory}")
+    if expect != -1:
+        raise ScheduleError(f"steps 0..{expect} were never back-propagated")
+    assert sweep_end is not None
+    return SimulationResult(
+        forward_evaluations=evals,
+        peak_memory=peak,
+        peak_hidden_slots=peak_h,
+        peak_internal_slots=peak_i,
+        sweep_length=sweep_end,
+    )
