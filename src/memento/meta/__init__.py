@@ -1,0 +1,5 @@
+"""Mixed-mode meta-gradients (MixFlow-MG, seed 004) and bilevel helpers."""
+
+from ._fwdrev import fwdrev_grad as fwdrev_grad
+
+__all__ = ["fwdrev_grad"]

@@ -1,0 +1,9 @@
+import jax
+import pytest
+
+
+@pytest.fixture
+def x64():
+    """Float64 for one test only: meta-gradients are compared to 1e-10 or so."""
+    with jax.enable_x64(True):
+        yield
