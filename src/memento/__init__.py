@@ -6,6 +6,7 @@
 
 import importlib as _importlib
 
+from .planning import BpttComparison as BpttComparison
 from .planning import (
     Op as Op,
     Schedule as Schedule,
@@ -13,6 +14,13 @@ from .planning import (
     SimulationResult as SimulationResult,
     simulate as simulate,
 )
+from .planning import chen_recursive as chen_recursive
+from .planning import chen_sqrt as chen_sqrt
+from .planning import compare_to_bptt as compare_to_bptt
+from .planning import revolve as revolve
+from .planning import revolve_cost as revolve_cost
+from .planning import store_all as store_all
+from .planning import store_none as store_none
 
 __version__ = "0.1.0"
 

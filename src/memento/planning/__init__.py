@@ -1,5 +1,13 @@
 """Optimal checkpointing policies (Gruslys et al. 2016) as explicit schedules. NumPy only."""
 
+from ._baselines import BpttComparison as BpttComparison
+from ._baselines import chen_recursive as chen_recursive
+from ._baselines import chen_sqrt as chen_sqrt
+from ._baselines import compare_to_bptt as compare_to_bptt
+from ._baselines import revolve as revolve
+from ._baselines import revolve_cost as revolve_cost
+from ._baselines import store_all as store_all
+from ._baselines import store_none as store_none
 from ._schedule import (
     Op as Op,
     Schedule as Schedule,
