@@ -375,9 +375,9 @@ class BpttComparison:
         num_steps: t.
         cost: the schedule's forward evaluations, C.
         cost_per_step: C / t.
-        memory: the schedule's budget in slots.
+        memory: slots the schedule uses at its peak (at most its budget).
         bptt_memory: slots plain BPTT needs (every internal state, same alpha and beta).
-        memory_saved: ``1 - memory / bptt_memory``.
+        memory_saved: ``1 - memory / bptt_memory``, the fraction of memory saved.
         backward_cost: b, the cost of one backward step in forward steps.
         time_ratio: ``(C + t b) / (t (1 + b))``, predicted time against plain BPTT.
     """
@@ -427,9 +427,9 @@ def compare_to_bptt(schedule: Schedule, *, backward_cost: float = 2.0) -> BpttCo
         num_steps=t,
         cost=schedule.cost,
         cost_per_step=schedule.cost / t,
-        memory=schedule.memory,
+        memory=schedule.peak_memory,
         bptt_memory=bptt_memory,
-        memory_saved=1.0 - schedule.memory / bptt_memory,
+        memory_saved=1.0 - schedule.peak_memory / bptt_memory,
         backward_cost=b,
         time_ratio=(schedule.cost + t * b) / (t * (1.0 + b)),
     )

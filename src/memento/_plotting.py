@@ -1,0 +1,367 @@
+"""Figures for the CLI: a schedule drawn as in Figure 3 of Gruslys et al., and their cost curves.
+
+The curve data (`paper_curves`) is NumPy only; matplotlib is imported inside the drawing
+functions, so importing this module stays cheap. Figures are drawn on a bare
+`matplotlib.figure.Figure` (no pyplot, no global backend change).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .planning import Op, Schedule, chen_sqrt
+
+__all__ = [
+    "Curves",
+    "chen_baseline",
+    "paper_curves",
+    "plot_curves",
+    "plot_schedule",
+    "write_curves",
+]
+
+# The paper's memory sizes (Figures 2a, 5a, 5b) and colours, in that order.
+PAPER_MEMORIES = (10, 50, 100, 500, 1000)
+PAPER_COLOURS = ("tab:red", "tab:green", "tab:blue", "tab:purple", "tab:cyan")
+ALPHA = 5  # internal state / hidden state size in Figures 5b and 6
+CHEN_BETAS = (2, 5, 10)  # Figure 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Curves:
+    """One panel: y-columns against the sequence length.
+
+    Attributes:
+        name: file stem (``fig2a_hsm``...).
+        title: panel title.
+        ylabel: what the columns are.
+        t: sequence lengths, the x axis.
+        columns: label -> values (NaN where undefined), one per line.
+        reference: an optional horizontal line ``(label, y)``.
+    """
+
+    name: str
+    title: str
+    ylabel: str
+    t: np.ndarray
+    columns: dict[str, np.ndarray]
+    reference: tuple[str, float] | None = None
+
+
+def _per_step(table: np.ndarray, memory: int) -> np.ndarray:
+    """Cost per step C(t, m) / t for t = 1..T, NaN where infeasible."""
+    max_steps = table.shape[0] - 1
+    t = np.arange(1, max_steps + 1)
+    column = table[1:, min(memory, table.shape[1] - 1)] / t
+    return np.where(np.isfinite(column), column, np.nan)
+
+
+def paper_curves(max_steps: int) -> list[Curves]:
+    """The data of Figures 2a, 5a, 5b, 6 and 7 of Gruslys et al., for t = 1..max_steps.
+
+    Costs come from `memento.planning.cost_table` (one table per policy and sizes).
+    Memory columns above what the longest sequence can use are read from the last
+    column computed, where every policy already stores everything it needs.
+
+    Args:
+        max_steps: the longest sequence length T.
+
+    Returns:
+        A list of panels (`Curves`): fig2a_hsm, fig5a_ism, fig5b_msm, fig6a_10alpha,
+        fig6b_20alpha, fig7a_chen_memory, fig7b_chen_cost.
+    """
+    from .planning import cost_table
+
+    T = max_steps
+    t = np.arange(1, T + 1)
+    bptt = ("standard BPTT", 1.0)
+
+    def table(policy: str, memory: int, alpha=None, beta=None) -> np.ndarray:
+        return cost_table(T, memory, policy=policy, alpha=alpha, beta=beta)
+
+    # Costs stop falling once everything fits: T hidden states (HSM), T internal states
+    # (ISM), alpha T + 1 slots (MSM). Larger budgets read that last column.
+    hsm = table("hsm", min(max(PAPER_MEMORIES), T + 1))
+    ism = table("ism", min(max(PAPER_MEMORIES), T + 1))
+    msm = table("msm", min(ALPHA * max(PAPER_MEMORIES), ALPHA * T + 1), alpha=ALPHA)
+    panels = [
+        Curves(
+            "fig2a_hsm",
+            "Figure 2a: BPTT-HSM, memory in hidden states",
+            "forward operations per time step",
+            t,
+            {f"m={m}": _per_step(hsm, m) for m in PAPER_MEMORIES},
+            bptt,
+        ),
+        Curves(
+            "fig5a_ism",
+            "Figure 5a: BPTT-ISM, memory in internal states",
+            "forward operations per time step",
+            t,
+            {f"m={m}": _per_step(ism, m) for m in PAPER_MEMORIES},
+            bptt,
+        ),
+        Curves(
+            "fig5b_msm",
+            f"Figure 5b: BPTT-MSM, memory in internal states (alpha={ALPHA})",
+            "forward operations per time step",
+            t,
+            {f"m={m}": _per_step(msm, ALPHA * m) for m in PAPER_MEMORIES},
+            bptt,
+        ),
+    ]
+    for tag, internal in (("a", 10), ("b", 20)):
+        panels.append(
+            Curves(
+                f"fig6{tag}_{internal}alpha",
+                f"Figure 6{tag}: {internal} internal or {ALPHA * internal} hidden states "
+                f"(alpha={ALPHA})",
+                "forward operations per time step",
+                t,
+                {
+                    "BPTT-HSM": _per_step(hsm, ALPHA * internal),
+                    "BPTT-ISM": _per_step(ism, internal),
+                    "BPTT-MSM": _per_step(msm, ALPHA * internal),
+                },
+                bptt,
+            )
+        )
+    panels.extend(_chen_panels(T))
+    return panels
+
+
+def _chen_panels(T: int) -> list[Curves]:
+    """Figure 7: MSM against Chen's sqrt(t) budget sqrt(t)(1 + beta), alpha = beta + 1."""
+    from .planning import cost_table
+
+    t = np.arange(1, T + 1)
+    chen_memory = np.sqrt(t)
+    memory_ratio, cost = {}, {}
+    for beta in CHEN_BETAS:
+        budget = chen_memory * (1 + beta)
+        # Enough columns for Chen's own budget (its schedule fits in about that).
+        max_memory = int(math.ceil(budget[-1])) + 2 * (beta + 1) + 2
+        table = cost_table(T, max_memory, policy="msm", alpha=beta + 1, beta=beta)
+        # Left: the least memory whose optimal cost is at most 2 per step.
+        fits = table[1:] <= 2 * t[:, None]
+        least = np.where(fits.any(axis=1), fits.argmax(axis=1), np.nan)
+        memory_ratio[f"beta={beta}"] = least / budget
+        # Right: optimal cost per step within Chen's budget.
+        rows = table[t, np.floor(budget).astype(int)] / t
+        cost[f"beta={beta}"] = np.where(np.isfinite(rows), rows, np.nan)
+    return [
+        Curves(
+            "fig7a_chen_memory",
+            "Figure 7 (left): memory at cost 2 per step / sqrt(t)(1+beta)",
+            "memory / (sqrt(t) (1 + beta))",
+            t,
+            memory_ratio,
+            ("Chen's sqrt(t)", 1.0),
+        ),
+        Curves(
+            "fig7b_chen_cost",
+            "Figure 7 (right): cost per step with memory sqrt(t)(1+beta)",
+            "forward operations per time step",
+            t,
+            cost,
+            ("Chen's sqrt(t)", 2.0),
+        ),
+    ]
+
+
+def chen_baseline(max_steps: int, *, points: int = 60) -> Curves:
+    """Chen's sqrt(t) schedules themselves, replayed, on a log-spaced grid of t.
+
+    Returns memory / (sqrt(t)(1 + beta)) and cost per step for each beta of Figure 7.
+    """
+    t = np.unique(np.geomspace(1, max_steps, points).round().astype(int))
+    columns = {}
+    for beta in CHEN_BETAS:
+        runs = [chen_sqrt(int(n), alpha=beta + 1, beta=beta) for n in t]
+        columns[f"memory_ratio_beta={beta}"] = np.array(
+            [s.memory / (math.sqrt(s.num_steps) * (1 + beta)) for s in runs]
+        )
+        columns[f"cost_per_step_beta={beta}"] = np.array([s.cost_per_step for s in runs])
+    return Curves("fig7_chen_baseline", "Chen's sqrt(t), replayed", "", t, columns)
+
+
+def _write_csv(curves: Curves, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["t", *curves.columns])
+        for i, n in enumerate(curves.t):
+            writer.writerow([int(n), *(f"{v[i]:.6g}" for v in curves.columns.values())])
+
+
+def _draw(ax, curves: Curves, colours) -> None:
+    for (label, values), colour in zip(curves.columns.items(), colours, strict=False):
+        ax.plot(curves.t, values, color=colour, label=label, linewidth=1.6)
+    if curves.reference is not None:
+        label, y = curves.reference
+        ax.axhline(y, color="grey", linewidth=1.2, label=label)
+    ax.set_title(curves.title, fontsize=10)
+    ax.set_xlabel("sequence length t")
+    ax.set_ylabel(curves.ylabel)
+    ax.set_xlim(0, curves.t[-1])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_curves(panels: list[Curves], out_dir: Path, *, chen: Curves | None = None) -> list[Path]:
+    """Draws the figures of `paper_curves` as PNGs in ``out_dir``; returns their paths.
+
+    Figure 6 and Figure 7 are drawn as two panels side by side, as in the paper; Chen's
+    replayed schedules (`chen_baseline`) are overlaid on Figure 7 when given.
+    """
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    by_name = {p.name: p for p in panels}
+    three = ("tab:red", "tab:green", "tab:blue")
+    layout = [
+        ("fig2a_hsm", ["fig2a_hsm"], PAPER_COLOURS),
+        ("fig5a_ism", ["fig5a_ism"], PAPER_COLOURS),
+        ("fig5b_msm", ["fig5b_msm"], PAPER_COLOURS),
+        ("fig6_compare", ["fig6a_10alpha", "fig6b_20alpha"], three),
+        ("fig7_chen", ["fig7a_chen_memory", "fig7b_chen_cost"], three),
+    ]
+    written = []
+    for stem, names, colours in layout:
+        fig = Figure(figsize=(6.4 * len(names), 4.6), layout="constrained")
+        axes = fig.subplots(1, len(names), squeeze=False)[0]
+        for ax, name in zip(axes, names, strict=True):
+            _draw(ax, by_name[name], colours)
+        if stem == "fig7_chen" and chen is not None:
+            for beta, colour in zip(CHEN_BETAS, colours, strict=True):
+                axes[0].plot(
+                    chen.t,
+                    chen.columns[f"memory_ratio_beta={beta}"],
+                    "--",
+                    color=colour,
+                    linewidth=1,
+                    label=f"Chen, beta={beta} (replayed)",
+                )
+            axes[1].plot(
+                chen.t,
+                chen.columns[f"cost_per_step_beta={CHEN_BETAS[0]}"],
+                "--",
+                color="black",
+                linewidth=1,
+                label="Chen (replayed)",
+            )
+            for ax in axes:
+                ax.legend(fontsize=8)
+        path = out_dir / f"{stem}.png"
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    return written
+
+
+def write_curves(max_steps: int, out_dir) -> list[Path]:
+    """Computes the paper's curves for t = 1..max_steps; writes PNGs and CSVs to ``out_dir``.
+
+    Returns:
+        The paths written: one PNG per figure, one CSV per panel.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    panels = paper_curves(max_steps)
+    chen = chen_baseline(max_steps)
+    written = plot_curves(panels, out_dir, chen=chen)
+    for curves in [*panels, chen]:
+        path = out_dir / f"{curves.name}.csv"
+        _write_csv(curves, path)
+        written.append(path)
+    return written
+
+
+def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None:
+    """Draws ``schedule`` as Figure 3 of Gruslys et al. and saves it to ``path``.
+
+    Logical time (the position in the sequence) runs left to right, execution top to
+    bottom: each backward step ends a row. Black: forward computations; red: backward
+    computations (a fused one re-runs its step first); green dots and lines: hidden
+    states stored, from save to release; blue squares and lines: internal states.
+    """
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    forward, backward, held_h, held_i = [], [], [], []
+    dots_h, dots_i = [], []
+    live_h: dict[int, tuple[int, int]] = {}  # slot -> (pos, row saved)
+    live_i: dict[int, tuple[int, int]] = {}
+    row = 0
+    for op, arg, pos in schedule.actions.tolist():
+        if op == Op.ADVANCE:
+            forward.append([(pos, row), (pos + arg, row)])
+        elif op == Op.SAVE_HIDDEN:
+            dots_h.append((pos, row))
+            live_h[arg] = (pos, row)
+        elif op == Op.SAVE_INTERNAL:
+            forward.append([(pos, row), (pos + 1, row)])
+            dots_i.append((pos + 0.5, row))
+            live_i[arg] = (pos, row)
+        elif op in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):
+            backward.append([(pos + 1, row), (pos, row)])
+            row += 1
+        elif op == Op.FREE_HIDDEN:
+            x, start = live_h.pop(arg)
+            held_h.append([(x, start), (x, row)])
+        elif op == Op.FREE_INTERNAL:
+            x, start = live_i.pop(arg)
+            held_i.append([(x + 0.5, start), (x + 0.5, row)])
+    rows = max(row, 1)
+    # States never released are held until the end; h_0 too when it takes a slot.
+    if schedule.counts_initial:
+        live_h[-1] = (0, 0)
+        dots_h.append((0, 0))
+    held_h += [[(x, s), (x, rows)] for x, s in live_h.values()]
+    held_i += [[(x + 0.5, s), (x + 0.5, rows)] for x, s in live_i.values()]
+
+    t = schedule.num_steps
+    dense = rows > 60 or t > 60
+    fig = Figure(figsize=(11, min(12, 3 + rows * 0.12)), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 if dense else 2.0
+    ax.add_collection(LineCollection(held_h, colors="tab:green", linewidths=width, alpha=0.35))
+    ax.add_collection(LineCollection(held_i, colors="tab:blue", linewidths=width, alpha=0.35))
+    ax.add_collection(LineCollection(forward, colors="black", linewidths=width))
+    ax.add_collection(LineCollection(backward, colors="tab:red", linewidths=width * 1.5))
+    size = 2 if dense else 6
+    if dots_h:
+        ax.plot(*np.array(dots_h).T, "o", color="tab:green", markersize=size)
+    if dots_i:
+        ax.plot(*np.array(dots_i).T, "s", color="tab:blue", markersize=size)
+    ax.set_xlim(-0.02 * t - 0.5, t * 1.02 + 0.5)
+    ax.set_ylim(rows + 0.5, -0.5)
+    ax.set_xlabel("logical time (position in the sequence)")
+    ax.set_ylabel("execution order (backward steps done)")
+    if title is None:
+        title = (
+            f"{schedule.policy}: t={t}, memory={schedule.memory} slots, "
+            f"cost={schedule.cost} ({schedule.cost_per_step:.2f} forwards per step)"
+        )
+    ax.set_title(title, fontsize=10)
+    ax.legend(
+        handles=[
+            Line2D([], [], color="black", label="forward computation"),
+            Line2D(
+                [],
+                [],
+                color="tab:red",
+                label="backward computation\n(fused: re-run, then backward)",
+            ),
+            Line2D([], [], color="tab:green", marker="o", label="hidden state stored"),
+            Line2D([], [], color="tab:blue", marker="s", label="internal state stored"),
+        ],
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+    )
+    fig.savefig(path, dpi=110)
