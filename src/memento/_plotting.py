@@ -145,7 +145,7 @@ def _chen_panels(T: int) -> list[Curves]:
     for beta in CHEN_BETAS:
         budget = chen_memory * (1 + beta)
         # Enough columns for Chen's own budget (its schedule fits in about that).
-        max_memory = int(math.ceil(budget[-1])) + 2 * (beta + 1) + 2
+        max_memory = math.ceil(budget[-1]) + 2 * (beta + 1) + 2
         table = cost_table(T, max_memory, policy="msm", alpha=beta + 1, beta=beta)
         # Left: the least memory whose optimal cost is at most 2 per step.
         fits = table[1:] <= 2 * t[:, None]

@@ -1,0 +1,192 @@
+"""The command line: `memento.cli.main` with captured output."""
+
+import csv
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import memento.planning
+from memento import cli
+
+HAS_PLANNER = hasattr(memento.planning, "plan") and hasattr(memento.planning, "cost_table")
+needs_planner = pytest.mark.skipif(not HAS_PLANNER, reason="memento.planning.plan not landed")
+
+
+@pytest.fixture
+def revolve_planner(monkeypatch):
+    """`plan` replaced by revolve (HSM-optimal), to test the CLI on its own."""
+
+    def plan(num_steps, memory, *, policy, alpha=None, beta=None):
+        assert policy == "hsm" and alpha is None and beta is None
+        return memento.planning.revolve(num_steps, memory)
+
+    monkeypatch.setattr(memento.planning, "plan", plan, raising=False)
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_human_output(capsys, revolve_planner):
+    code, out, err = run(capsys, "plan", "--steps", "1000", "--memory", "10", "--policy", "hsm")
+    assert code == 0 and err == ""
+    # HSM's closed form: C(1000, 10) = 5 * 1000 - binom(14, 11) = 4636.
+    assert "4636 forward steps = 4.636 per step" in out
+    assert "10 slots used, 99.0% less than plain BPTT" in out
+    assert "(1001 slots)" in out
+    ratio = (4636 + 2000) / 3000
+    assert f"{ratio:.3f}x plain BPTT" in out
+    assert "peak 10 slots" in out
+
+
+def test_plan_json(capsys, revolve_planner):
+    code, out, _ = run(
+        capsys, "plan", "--steps", "100", "--memory", "5", "--policy", "hsm", "--json",
+        "--backward-cost", "3",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    assert record["cost"] == memento.planning.revolve_cost(100, 5)
+    assert record["cost_per_step"] == record["cost"] / 100
+    assert record["time_ratio"] == pytest.approx((record["cost"] + 300) / 400)
+    assert record["backward_cost"] == 3.0
+    assert record["replay"]["forward_evaluations"] == record["cost"]
+    assert record["memory"] == record["replay"]["peak_memory"] == 5
+
+
+def test_plan_plot(capsys, revolve_planner, tmp_path):
+    path = tmp_path / "schedule.png"
+    code, out, _ = run(
+        capsys, "plan", "--steps", "30", "--memory", "4", "--policy", "hsm", "--plot", str(path)
+    )
+    assert code == 0 and str(path) in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_planner
+def test_plan_headline(capsys):
+    # Gruslys et al. section 3.2: ISM at t = 1000 with 50 internal states saves 95% of
+    # the memory for about a third more time than plain BPTT (backward = 2 forwards).
+    code, out, _ = run(capsys, "plan", "--steps", "1000", "--memory", "50", "--policy", "ism")
+    assert code == 0
+    per_step = float(re.search(r"= (\d+\.\d+) per step", out).group(1))
+    saved = float(re.search(r"(\d+\.\d)% less", out).group(1))
+    ratio = float(re.search(r"(\d+\.\d+)x plain BPTT", out).group(1))
+    assert per_step == pytest.approx(1.95, abs=0.01)
+    assert saved == pytest.approx(95.0)
+    assert ratio == pytest.approx(1.32, abs=0.01)
+
+
+@needs_planner
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+def test_plan_policies_json(capsys, policy):
+    argv = ["plan", "--steps", "200", "--memory", "30", "--policy", policy, "--json"]
+    if policy == "msm":
+        argv += ["--alpha", "3", "--beta", "2"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    record = json.loads(out)
+    assert record["policy"] == policy
+    assert record["replay"]["forward_evaluations"] == record["cost"]
+    assert record["memory"] <= 30
+
+
+@needs_planner
+def test_curves(capsys, tmp_path):
+    code, out, _ = run(capsys, "curves", "--steps", "60", "--out", str(tmp_path))
+    assert code == 0
+    pngs = {"fig2a_hsm", "fig5a_ism", "fig5b_msm", "fig6_compare", "fig7_chen"}
+    for stem in pngs:
+        path = tmp_path / f"{stem}.png"
+        assert str(path) in out
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    with open(tmp_path / "fig2a_hsm.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["t", "m=10", "m=50", "m=100", "m=500", "m=1000"]
+    assert len(rows) == 61
+    # HSM cost per step is C(t, m) / t, revolve's closed form.
+    for t, *values in rows[1:]:
+        expect = memento.planning.revolve_cost(int(t), 10) / int(t)
+        assert float(values[0]) == pytest.approx(expect, rel=1e-5)
+    for name in ("fig5a_ism", "fig5b_msm", "fig6a_10alpha", "fig7b_chen_cost"):
+        assert (tmp_path / f"{name}.csv").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--steps", "0", "--memory", "5", "--policy", "hsm"], "0"),
+        (["plan", "--steps", "10", "--memory", "0", "--policy", "hsm"], "0"),
+    ],
+)
+def test_bad_values_exit_2(capsys, revolve_planner, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("memento plan: error: memento.planning.revolve:")
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_backward_cost_exit_2(capsys, revolve_planner):
+    code, _, err = run(
+        capsys, "plan", "--steps", "10", "--memory", "3", "--policy", "hsm",
+        "--backward-cost", "0",
+    )  # fmt: skip
+    assert code == 2
+    assert "backward_cost must be > 0, got 0.0" in err
+
+
+@needs_planner
+def test_bad_policy_exit_2(capsys):
+    code, _, err = run(capsys, "plan", "--steps", "10", "--memory", "3", "--policy", "nope")
+    assert code == 2
+    assert "nope" in err and "Traceback" not in err
+
+
+def test_usage_errors(capsys):
+    assert cli.main(["plan", "--steps", "10"]) == 2
+    assert "required: --memory" in capsys.readouterr().err
+    assert cli.main(["plan", "--steps", "ten", "--memory", "2", "--policy", "hsm"]) == 2
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    assert "plan" in capsys.readouterr().out
+
+
+def test_hooks_dispatch_lazily(capsys, monkeypatch):
+    calls = []
+    fake = type(sys)("memento.loops._demo")
+    fake.main = lambda args: calls.append(("demo", args.steps, args.out, args.quick))
+    monkeypatch.setitem(sys.modules, "memento.loops._demo", fake)
+    assert cli.main(["demo", "--steps", "7", "--out", "d", "--quick"]) == 0
+    fake = type(sys)("memento.meta._bench")
+    fake.main = lambda args: calls.append(("bench", args.quick, args.json)) or 0
+    monkeypatch.setitem(sys.modules, "memento.meta._bench", fake)
+    assert cli.main(["bench", "metagrad", "--json", "r.json"]) == 0
+    assert calls == [("demo", 7, "d", True), ("bench", False, "r.json")]
+
+
+def test_hooks_missing_module(capsys, monkeypatch):
+    # A module that cannot be imported: the hook says so and exits non-zero.
+    monkeypatch.setitem(sys.modules, "memento.meta._bench", None)
+    code, _, err = run(capsys, "bench", "metagrad", "--quick")
+    assert code == 1
+    assert "memento bench metagrad: not available" in err and "memento.meta._bench" in err
+
+
+def test_python_m_memento_and_light_import():
+    # `python -m memento` works; importing memento (or the CLI) loads neither jax nor
+    # matplotlib.
+    code = (
+        "import sys, memento, memento.cli, memento.planning; "
+        "print(sorted(m for m in ('jax', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    done = subprocess.run(
+        [sys.executable, "-m", "memento", "plan", "--steps", "5"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "required" in done.stderr
