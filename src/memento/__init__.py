@@ -17,6 +17,8 @@ from .planning import (
 from .planning import chen_recursive as chen_recursive
 from .planning import chen_sqrt as chen_sqrt
 from .planning import compare_to_bptt as compare_to_bptt
+from .planning import cost_table as cost_table
+from .planning import plan as plan
 from .planning import revolve as revolve
 from .planning import revolve_cost as revolve_cost
 from .planning import store_all as store_all

@@ -8,6 +8,8 @@ from ._baselines import revolve as revolve
 from ._baselines import revolve_cost as revolve_cost
 from ._baselines import store_all as store_all
 from ._baselines import store_none as store_none
+from ._dp import cost_table as cost_table
+from ._dp import plan as plan
 from ._schedule import (
     Op as Op,
     Schedule as Schedule,

@@ -193,17 +193,32 @@ def simulate(s: Schedule) -> SimulationResult:
     def fail(i: int, msg: str):
         raise ScheduleError(f"row {i} {tuple(int(v) for v in s.actions[i])}: {msg}")
 
-    def internal_size(pos: int) -> int:
-        # beta when the input state h_pos is held at this moment (section 3.4).
-        held = (
+    def is_held(pos: int) -> bool:
+        return (
             pos == 0
             or pos in hidden.values()
             or any(step == pos - 1 for step, _ in internal.values())
         )
+
+    # An internal state stored at the reduced size relies on the state that holds its input;
+    # freeing that state first would lose the input (section 3.4). slot -> input position.
+    relies: dict[int, int] = {}
+
+    def check_inputs(i: int) -> None:
+        for slot, pos in relies.items():
+            if not is_held(pos):
+                fail(i, f"frees h_{pos}, the input of internal slot {slot} stored without it")
+
+    def internal_size(pos: int) -> int:
+        # beta when the input state h_pos is held at this moment (section 3.4).
+        held = is_held(pos)
         if s.internal_sizes is not None:
             full = s.internal_sizes[pos]
             return full - _hidden_size(s, pos) if held and pos > 0 else full
         return s.beta if held else s.alpha
+
+    def internal_size_full(pos: int) -> int:
+        return s.internal_sizes[pos] if s.internal_sizes is not None else s.alpha
 
     for i, (op, arg, pos) in enumerate(s.actions.tolist()):
         in_sweep = sweep_end is None
@@ -226,6 +241,8 @@ def simulate(s: Schedule) -> SimulationResult:
             if cur != pos or arg in internal or arg < 0 or pos >= t:
                 fail(i, f"cannot save step {pos} in internal slot {arg} (current {cur})")
             size = internal_size(pos)
+            if size < internal_size_full(pos):
+                relies[arg] = pos
             internal[arg] = (pos, size)
             used += size
             peak_i = max(peak_i, len(internal))
@@ -258,10 +275,13 @@ def simulate(s: Schedule) -> SimulationResult:
                 fail(i, f"hidden slot {arg} does not hold h_{pos}")
             del hidden[arg]
             used -= _hidden_size(s, pos)
+            check_inputs(i)
         elif op == Op.FREE_INTERNAL:
             if arg not in internal or internal[arg][0] != pos:
                 fail(i, f"internal slot {arg} does not hold step {pos}")
             used -= internal.pop(arg)[1]
+            relies.pop(arg, None)
+            check_inputs(i)
         else:
             fail(i, f"unknown op {op}")
         if in_sweep:

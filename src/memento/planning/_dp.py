@@ -1,0 +1,430 @@
+"""Optimal checkpointing plans: BPTT-HSM, BPTT-ISM and BPTT-MSM (Gruslys et al. 2016).
+
+Notation (paper -> code): t = ``num_steps``, m = ``memory`` in slots of one hidden state
+(ISM: in internal-state slots), C(t, m) = forward evaluations of an optimal policy, D(t, m)
+= the position y of the first push, H(t, m) = what is pushed (hidden or internal state).
+
+Every policy is a binary recursion on a *subproblem* ``(b, t, m)``: back-propagate the t
+steps ``b .. b+t-1`` starting with the working state at ``h_b``, where ``h_b`` is held
+(as ``h_0``, in a hidden slot, or as the output of the internal slot of step ``b-1``) and
+``m`` counts the base's slot plus the slots the subproblem may add (HSM, MSM; ISM counts
+internal slots only, the base being free). The plan is that recursion unrolled with an
+explicit stack (t may be 10^5: no Python recursion) into rows of ``_schedule.py``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Literal
+
+import numpy as np
+
+from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
+from ._schedule import Op, Schedule
+
+__all__ = ["plan", "cost_table"]
+
+Policy = Literal["hsm", "ism", "msm"]
+_POLICIES = ("hsm", "ism", "msm")
+
+_BIG = 1 << 60  # "infinity" in int64 tables; BIG + BIG + t still fits in int64
+_MAX_STEPS = 5_000_000  # beyond this, emitting the rows alone takes minutes
+_MSM_BUDGET_S = 120.0  # refuse exact MSM tables estimated to take longer than this
+_NS_PER_CELL = 4e-9  # measured cost of one (t, m, y) candidate of the vectorised MSM DP
+
+# Opcodes as plain ints (the emitter's inner loop is hot).
+_ADV = int(Op.ADVANCE)
+_SAVE_H = int(Op.SAVE_HIDDEN)
+_SAVE_I = int(Op.SAVE_INTERNAL)
+_LOAD_H = int(Op.LOAD_HIDDEN)
+_LOAD_I = int(Op.LOAD_INTERNAL)
+_BACK_I = int(Op.BACKWARD_INTERNAL)
+_FUSED = int(Op.BACKWARD_FUSED)
+_FREE_H = int(Op.FREE_HIDDEN)
+_FREE_I = int(Op.FREE_INTERNAL)
+_HIDDEN, _INTERNAL = 0, 1  # H(t, m)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _int(fn: str, name: str, value, hint: str) -> int:
+    # bool is an int subclass; True steps or True slots are almost surely a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{fn}: {name} must be an int, got {value!r} ({type(value).__name__}); {hint}"
+        )
+    return int(value)
+
+
+def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, str, int, int]:
+    """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
+    if not isinstance(policy, str) or policy not in _POLICIES:
+        raise ValueError(
+            f"{fn}: unknown policy {policy!r}; pass one of 'hsm' (hidden states), "
+            "'ism' (internal states) or 'msm' (mixed, needs alpha)"
+        )
+    t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
+    m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
+    if t < 1:
+        raise ValueError(f"{fn}: num_steps must be >= 1, got {t}")
+    if m < 1:
+        raise ValueError(f"{fn}: memory must be >= 1 slot, got {m}")
+    if policy == "hsm":
+        if alpha is not None or beta is not None:
+            raise ValueError(
+                f"{fn}: alpha/beta (got alpha={alpha!r}, beta={beta!r}) apply to "
+                "policy='ism' or 'msm'; HSM stores hidden states only, drop them or pass "
+                "policy='msm'"
+            )
+        return t, m, policy, 1, 1
+    if policy == "ism":
+        if beta is not None:
+            raise ValueError(
+                f"{fn}: beta={beta!r} applies to policy='msm' only (ISM never stores an "
+                "internal state next to its input); drop beta or pass policy='msm'"
+            )
+        a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
+        if a < 1:
+            raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
+        if m < a:
+            raise ValueError(
+                f"{fn}: memory={m} is below policy='ism''s minimum of one internal state "
+                f"(alpha={a} slots); pass memory >= {a}"
+            )
+        return t, m, policy, a, a
+    if alpha is None:
+        raise ValueError(
+            f"{fn}: policy='msm' needs alpha, the slots one internal state takes "
+            "(an integer >= 1, e.g. alpha=5)"
+        )
+    a = _int(fn, "alpha", alpha, "pass the slots one internal state takes, e.g. 5")
+    if a < 1:
+        raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
+    b = a if beta is None else _int(fn, "beta", beta, "pass an integer 1 <= beta <= alpha")
+    if b < 1 or b > a:
+        raise ValueError(
+            f"{fn}: beta must satisfy 1 <= beta <= alpha={a}, got {b}; beta is the size of "
+            "an internal state whose input is already held"
+        )
+    return t, m, policy, a, b
+
+
+# --------------------------------------------------------------------------- MSM tables
+
+
+def _msm_estimate_s(num_steps: int, memory: int, alpha: int, beta: int) -> float:
+    if alpha == 1:
+        return 0.0
+    factor = 2 if beta == alpha else 1
+    return _NS_PER_CELL * factor * num_steps * num_steps * memory / 2
+
+
+def _msm_tables(num_steps: int, memory: int, alpha: int, beta: int):
+    """Exact C, H and D of BPTT-MSM with beta, eq. (6)-(10), for t <= num_steps, m <= memory.
+
+    Returns int64 ``C`` (``_BIG`` = infeasible), int8 ``H`` and int32 ``D`` of shape
+    ``(num_steps + 1, memory + 1)``. Vectorised over (y, m) for each t.
+
+    Two facts keep this exact and smaller:
+    - if alpha > beta, Q2 with y >= 2 never beats Q1 at y - 1 followed by Q2 at y' = 1
+      (that costs y + C(y-1, m) + C(t-y, m-1-beta) <= Q2(y) since m-1-beta >= m-alpha and
+      C is non-increasing in m), so only y = 1 is tried for internal states;
+    - C(., m) is *not* convex in t for alpha >= 2 and the optimal y are not an interval
+      (found with the oracle), so the argmin cannot be tracked with a moving pointer.
+    """
+    big = _BIG
+    pad = alpha  # columns m <= 0 are infeasible: store them as BIG on the left
+    cx = np.full((num_steps + 1, memory + 1 + pad), big, dtype=np.int64)
+    cx[0, pad + 1 :] = 0  # C(0, m) = 0 for m >= 1
+    ts = np.arange(num_steps + 1, dtype=np.int64)
+    cx[1:, pad + 1] = ts[1:] * (ts[1:] + 1) // 2  # C(t, 1): h_0 only
+    cx[1, pad + 1 :] = 1  # C(1, m) = 1: one fused step
+    kind = np.zeros((num_steps + 1, memory + 1), dtype=np.int8)
+    split = np.ones((num_steps + 1, memory + 1), dtype=np.int32)
+    if memory < 2:
+        return cx[:, pad:], kind, split
+    cols = slice(pad + 2, pad + memory + 1)  # m = 2..memory
+    width = memory - 1
+    both = alpha == beta
+    ar = np.arange(width)
+    for t in range(2, num_steps + 1):
+        left = cx[1:t, cols]  # C(y, m), y = 1..t-1 (also C(y-1, m) for y = 2..t)
+        y1 = np.arange(1, t, dtype=np.int64)[:, None]
+        q1 = left + cx[t - 1 : 0 : -1, pad + 1 : pad + memory] + y1  # + C(t-y, m-1)
+        d1 = q1.argmin(0)
+        best = q1[d1, ar]
+        h = np.zeros(width, dtype=np.int8)
+        d = d1 + 1
+        # Q2 at y = 1 (eq. 10, beta): 1 + C(0, m) + C(t-1, m-beta).
+        q2 = 1 + cx[t - 1, pad + 2 - beta : pad + memory + 1 - beta]
+        take = q2 < best
+        best = np.where(take, q2, best)
+        h[take] = _INTERNAL
+        d[take] = 1
+        if both:  # Q2 at y = 2..t: y + C(y-1, m) + C(t-y, m-alpha)
+            q2 = left + cx[t - 2 :: -1, pad + 2 - alpha : pad + memory + 1 - alpha] + y1 + 1
+            d2 = q2.argmin(0)
+            v2 = q2[d2, ar]
+            take = v2 < best
+            best = np.where(take, v2, best)
+            h[take] = _INTERNAL
+            d[take] = d2[take] + 2
+        cx[t, cols] = np.minimum(best, big)
+        kind[t, 2:] = h
+        split[t, 2:] = d
+    return cx[:, pad:], kind, split
+
+
+# --------------------------------------------------------------------------- emission
+
+
+def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, tables) -> np.ndarray:
+    """Unrolls the policy's recursion into schedule rows, depth first, with a stack.
+
+    Stack entries are nodes ``(b, t, m, hd, idp, base_op, base_arg)`` (hd / idp: hidden /
+    internal slots in use, which are also the next free slot numbers since slots are used
+    as stacks, exactly as the paper's Algorithm 2 pushes and pops) or ``(None, rows)`` for
+    rows to emit once the right part is done.
+    """
+    out: list[int] = []
+    ext = out.extend
+    stack: list[tuple] = [(0, num_steps, memory, 0, 0, _LOAD_H, -1)]
+    pop, push = stack.pop, stack.append
+    hsm, ism = policy == "hsm", policy == "ism"
+    if tables is not None:
+        kind_t, split_t = tables
+    while stack:
+        node = pop()
+        b = node[0]
+        if b is None:
+            ext(node[1])
+            continue
+        _, t, m, hd, idp, bop, barg = node
+        if ism:
+            if t <= m:
+                # Plentiful memory, C = t: store every step's internal state, then unwind.
+                for k in range(t):
+                    ext((_SAVE_I, idp + k, b + k))
+                for k in range(t - 1, -1, -1):
+                    ext((_BACK_I, idp + k, b + k, _FREE_I, idp + k, b + k))
+                continue
+            kind = _INTERNAL
+            y = t if m == 1 else 1 + ism_split(t - 1, m, True)
+            mr = m - 1
+        else:
+            if t == 1:
+                ext((_FUSED, 0, b))
+                continue
+            if m == 1:
+                # C(t, 1) = t(t+1)/2: only the base is held; recompute from it for each step.
+                ext((_ADV, t - 1, b, _FUSED, 0, b + t - 1))
+                for p in range(t - 2, 0, -1):
+                    ext((bop, barg, b, _ADV, p, b, _FUSED, 0, b + p))
+                ext((bop, barg, b, _FUSED, 0, b))
+                continue
+            if hsm:
+                if t <= m + 1:
+                    # C = 2t - 1: keep h_{b+1} .. h_{b+t-2}; the last step is fused.
+                    for k in range(1, t - 1):
+                        ext((_ADV, 1, b + k - 1, _SAVE_H, hd + k - 1, b + k))
+                    ext((_ADV, 1, b + t - 2, _FUSED, 0, b + t - 1))
+                    for k in range(t - 2, 0, -1):
+                        s = hd + k - 1
+                        ext((_LOAD_H, s, b + k, _FUSED, 0, b + k, _FREE_H, s, b + k))
+                    ext((bop, barg, b, _FUSED, 0, b))
+                    continue
+                kind, y = _HIDDEN, hsm_split(t, m)
+            elif tables is None:  # MSM with alpha = beta = 1 is ISM's recursion (see plan)
+                kind, y = _INTERNAL, 1 + ism_split(t - 1, m, True)
+            else:
+                kind, y = int(kind_t[t, m]), int(split_t[t, m])
+            mr = m - 1 if kind == _HIDDEN else m - (beta if y == 1 else alpha)
+        if kind == _HIDDEN:
+            # Q1 (eq. 1/6): advance y, push h_{b+y}, right part with m-1, pop, left part.
+            p = b + y
+            ext((_ADV, y, b, _SAVE_H, hd, p))
+            push((b, y, m, hd, idp, bop, barg))
+            push((None, (_FREE_H, hd, p, bop, barg, b)))
+            push((p, t - y, mr, hd + 1, idp, _LOAD_H, hd))
+        else:
+            # Q2 (eq. 4/7/10): advance y-1, keep step b+y-1's internal state (it holds
+            # h_{b+y}), right part, back-propagate that step from the slot, left part.
+            p = b + y - 1
+            if y > 1:
+                ext((_ADV, y - 1, b))
+            ext((_SAVE_I, idp, p))
+            if y > 1:
+                push((b, y - 1, m, hd, idp, bop, barg))
+                push((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
+            else:
+                push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
+            if t > y:
+                push((p + 1, t - y, mr, hd, idp + 1, _LOAD_I, idp))
+    return np.array(out, dtype=np.int64).reshape(-1, 3)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def plan(
+    num_steps: int,
+    memory: int,
+    *,
+    policy: Policy = "hsm",
+    alpha: int | None = None,
+    beta: int | None = None,
+) -> Schedule:
+    """Plans an optimal checkpointing schedule for ``num_steps`` loop steps in ``memory`` slots.
+
+    The plan minimises C, the number of forward evaluations of the loop body (first sweep
+    included), under the memory budget, by the dynamic programs of Gruslys et al. (2016).
+    Pick ``"hsm"`` when only the carry is cheap to keep, ``"msm"`` when the step's
+    residuals are at most ``alpha`` times the carry (it is never worse than HSM), and
+    ``"ism"`` to reproduce the paper's internal-state model.
+
+    Args:
+        num_steps: t, the number of steps (>= 1).
+        memory: m, the budget in slots of one hidden state (the paper's m). For ``"hsm"``
+            and ``"msm"`` it includes ``h_0``; for ``"ism"`` it counts ``memory // alpha``
+            internal-state slots and ``h_0`` is free, as in the paper's section 3.2.
+        policy: ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
+            ``"ism"`` (section 3.2: internal states only, C(t,m) = t for m >= t) or
+            ``"msm"`` (sections 3.3-3.4: either, per push).
+        alpha: slots one internal state takes; required for ``"msm"``, default 1 for
+            ``"ism"``, not accepted for ``"hsm"``.
+        beta: slots an internal state takes when its input state is already held
+            (section 3.4); ``"msm"`` only, ``1 <= beta <= alpha``, default ``alpha``.
+
+    Returns:
+        A `Schedule` whose ``cost`` is the paper's C(t, m) (an exact int) and whose replay
+        (`Schedule.simulate`) counts exactly ``cost`` forward evaluations within ``memory``.
+
+    Raises:
+        TypeError: a size that is not an int (bools included).
+        ValueError: a size below 1, an unknown policy, alpha/beta where they do not apply
+            or out of range, a budget below the policy's minimum, or a problem too large to
+            plan in reasonable time (the message gives the estimate).
+
+    Examples:
+        >>> import memento
+        >>> s = memento.plan(10, 4)
+        >>> s.cost, s.simulate().forward_evaluations
+        (22, 22)
+        >>> memento.plan(1000, 50, policy="ism").cost_per_step
+        1.95
+
+    References:
+        A. Gruslys, R. Munos, I. Danihelka, M. Lanctot, A. Graves. Memory-Efficient
+        Backpropagation Through Time. NeurIPS 2016, eq. (1)-(10).
+    """
+    fn = "memento.plan"
+    t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
+    if t > _MAX_STEPS:
+        raise ValueError(
+            f"{fn}: num_steps={t} would take minutes to unroll into a schedule (about "
+            f"{t * 4e-6 / 60:.0f} min, {10 * t} rows); plan at most {_MAX_STEPS} steps"
+        )
+    tables = None
+    if policy == "hsm":
+        cost = hsm_cost(t, m)
+    elif policy == "ism":
+        cost = ism_cost(t, m // alpha)
+    elif alpha == 1:
+        # alpha = 1 (so beta = 1): Q2 at y equals Q1 at y-1 plus 1 - (C(t-y+1, m-1) -
+        # C(t-y, m-1)) <= Q1, so MSM is ISM's recursion (eq. 4) on m slots; its C is
+        # C_ism(t, m) (the fused last step frees the slot ISM spends on step t-1).
+        cost = ism_cost(t, m)
+    else:
+        m_eff = min(m, 1 + (t - 1) * alpha)  # more slots than that cannot be used
+        est = _msm_estimate_s(t, m_eff, alpha, beta)
+        if est > _MSM_BUDGET_S:
+            raise ValueError(
+                f"{fn}: the exact MSM table for num_steps={t}, memory={m_eff}, "
+                f"alpha={alpha}, beta={beta} would take about {est / 60:.0f} min "
+                f"(O(t^2 m)); use policy='hsm' (closed form, never more than "
+                f"{hsm_cost(t, m) - t} extra evaluations) or fewer steps"
+            )
+        c, kind, split = _msm_tables(t, m_eff, alpha, beta)
+        cost = int(c[t, m_eff])
+        tables = (kind, split)
+        m_plan = m_eff
+    rows = _emit(
+        t,
+        m // alpha if policy == "ism" else (m_plan if tables is not None else m),
+        policy,
+        alpha,
+        beta,
+        tables,
+    )
+    return Schedule(
+        num_steps=t,
+        memory=m,
+        policy=policy,
+        cost=cost,
+        actions=rows,
+        alpha=alpha,
+        beta=beta,
+        counts_initial=policy != "ism",
+    )
+
+
+def cost_table(
+    max_steps: int,
+    max_memory: int,
+    *,
+    policy: Policy = "hsm",
+    alpha: int | None = None,
+    beta: int | None = None,
+) -> np.ndarray:
+    """C(t, m) for every ``t <= max_steps`` and ``m <= max_memory``, for plotting curves.
+
+    Args:
+        max_steps, max_memory, policy, alpha, beta: as `plan`'s ``num_steps``, ``memory``,
+            ``policy``, ``alpha``, ``beta``; ``memory`` units are `plan`'s.
+
+    Returns:
+        float64 array of shape ``(max_steps + 1, max_memory + 1)``: entry ``[t, m]`` is
+        C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
+
+    Examples:
+        >>> import memento
+        >>> memento.cost_table(3, 2)
+        array([[ 0.,  0.,  0.],
+               [inf,  1.,  1.],
+               [inf,  3.,  3.],
+               [inf,  6.,  5.]])
+    """
+    fn = "memento.cost_table"
+    t, m, policy, alpha, beta = _check(fn, max_steps, max_memory, policy, alpha, beta)
+    out = np.full((t + 1, m + 1), np.inf)
+    out[0, :] = 0.0
+    if policy == "hsm" or (policy == "msm" and alpha == 1):
+        for mm in range(1, m + 1):
+            col = ism_column(t, mm)
+            if policy == "hsm":  # C_hsm(t, m) = t + C_ism(t-1, m)
+                out[1:, mm] = np.arange(1, t + 1) + col[:-1]
+            else:
+                out[1:, mm] = col[1:]
+    elif policy == "ism":
+        for mm in range(alpha, m + 1):
+            out[1:, mm] = ism_column(t, mm // alpha)[1:]
+    else:
+        est = _msm_estimate_s(t, m, alpha, beta)
+        if est > _MSM_BUDGET_S:
+            raise ValueError(
+                f"{fn}: the exact MSM table for max_steps={t}, max_memory={m} would take "
+                f"about {est / 60:.0f} min (O(t^2 m)); ask for fewer steps or slots"
+            )
+        c = _msm_tables(t, m, alpha, beta)[0].astype(np.float64)
+        c[c >= _BIG] = np.inf
+        out[1:, 1:] = c[1:, 1:]
+    return out
+
+
+def _timed_plan(*args, **kwargs) -> tuple[Schedule, float]:
+    """`plan` and its wall time in seconds (for benchmarks)."""
+    start = time.perf_counter()
+    s = plan(*args, **kwargs)
+    return s, time.perf_counter() - start
