@@ -9,18 +9,27 @@ import importlib as _importlib
 from .planning import BpttComparison as BpttComparison
 from .planning import (
     Op as Op,
+)
+from .planning import (
     Schedule as Schedule,
+)
+from .planning import (
     ScheduleError as ScheduleError,
+)
+from .planning import (
     SimulationResult as SimulationResult,
-    simulate as simulate,
 )
 from .planning import chen_recursive as chen_recursive
 from .planning import chen_sqrt as chen_sqrt
 from .planning import compare_to_bptt as compare_to_bptt
 from .planning import cost_table as cost_table
 from .planning import plan as plan
+from .planning import plan_chain as plan_chain
 from .planning import revolve as revolve
 from .planning import revolve_cost as revolve_cost
+from .planning import (
+    simulate as simulate,
+)
 from .planning import store_all as store_all
 from .planning import store_none as store_none
 

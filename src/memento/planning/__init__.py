@@ -8,12 +8,19 @@ from ._baselines import revolve as revolve
 from ._baselines import revolve_cost as revolve_cost
 from ._baselines import store_all as store_all
 from ._baselines import store_none as store_none
+from ._chain import plan_chain as plan_chain
 from ._dp import cost_table as cost_table
 from ._dp import plan as plan
 from ._schedule import (
     Op as Op,
+)
+from ._schedule import (
     Schedule as Schedule,
+)
+from ._schedule import (
     ScheduleError as ScheduleError,
+)
+from ._schedule import (
     SimulationResult as SimulationResult,
 )
 from ._schedule import simulate as simulate

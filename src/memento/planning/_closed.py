@@ -36,7 +36,7 @@ from math import comb
 
 import numpy as np
 
-__all__ = ["hsm_cost", "ism_cost", "ism_split", "hsm_split", "ism_column"]
+__all__ = ["hsm_cost", "hsm_split", "ism_column", "ism_cost", "ism_split"]
 
 
 def _level(m: int, s: int, offset: int) -> int:

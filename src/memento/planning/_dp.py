@@ -23,7 +23,7 @@ import numpy as np
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._schedule import Op, Schedule
 
-__all__ = ["plan", "cost_table"]
+__all__ = ["cost_table", "plan"]
 
 Policy = Literal["hsm", "ism", "msm"]
 _POLICIES = ("hsm", "ism", "msm")

@@ -214,7 +214,7 @@ def simulate(s: Schedule) -> SimulationResult:
         held = is_held(pos)
         if s.internal_sizes is not None:
             full = s.internal_sizes[pos]
-            return full - _hidden_size(s, pos) if held and pos > 0 else full
+            return full - _hidden_size(s, pos) if held else full
         return s.beta if held else s.alpha
 
     def internal_size_full(pos: int) -> int:
