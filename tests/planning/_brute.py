@@ -1,0 +1,119 @@
+"""Exhaustive search over every valid schedule of a tiny problem (independent of the DP).
+
+A Dijkstra search over replay states, one forward evaluation at a time, with the
+simulator's rules (first sweep in order, back-propagation in reverse order, slot sizes,
+beta when the input is held, no freeing of a reduced internal state's input). It knows
+nothing of the recursion, the split y or the equations: it is the ground truth the
+dynamic programs are checked against.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+def search(
+    num_steps: int,
+    memory: int,
+    *,
+    hidden: bool,
+    internal: bool,
+    fused: bool,
+    counts_initial: bool,
+    alpha: int = 1,
+    beta: int = 1,
+    forward_costs=None,
+    hidden_sizes=None,
+    internal_sizes=None,
+    early_free: bool = False,
+) -> float:
+    """Least total forward cost of a valid schedule, or inf if none fits.
+
+    ``hidden`` / ``internal`` allow SAVE_HIDDEN / SAVE_INTERNAL; ``fused`` allows
+    BACKWARD_FUSED (ISM back-propagates from internal states only).
+
+    The paper's model keeps every stored state until the steps it serves are all
+    back-propagated (a stack: Algorithm 2 pops a state when its right part is done). The
+    search always frees states as soon as they are useless; ``early_free=True`` also lets
+    it free a state that is still useful, which the simulator accepts but the paper's
+    equations do not model.
+    """
+    t = num_steps
+    u = forward_costs or [1] * t
+    hs = hidden_sizes or [1] * (t + 1)
+
+    def held(pos, hid, inn):
+        return pos == 0 or pos in hid or any(step == pos - 1 for step, _, _ in inn)
+
+    def internal_size(pos, hid, inn):
+        is_held = held(pos, hid, inn)
+        if internal_sizes is not None:
+            full = internal_sizes[pos]
+            return (full - hs[pos], True) if is_held else (full, False)
+        return (beta, beta < alpha) if is_held else (alpha, False)
+
+    def used(hid, inn):
+        return (
+            (hs[0] if counts_initial else 0)
+            + sum(hs[p] for p in hid)
+            + sum(size for _, size, _ in inn)
+        )
+
+    def inputs_ok(hid, inn):
+        return all(held(step, hid, inn) for step, _, reduced in inn if reduced)
+
+    # state: (cur or -1, expected step, hidden positions, internal (step, size, reduced),
+    # sweeping). cur = -1: no working state.
+    start = (0, t - 1, frozenset(), frozenset(), True)
+    best = {start: 0}
+    heap = [(0, 0, start)]
+    tie = 0
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if cost > best.get(state, float("inf")):
+            continue
+        cur, expect, hid, inn, sweeping = state
+        if expect == -1:
+            return cost
+        nxt = []
+        if cur >= 0:
+            if cur < t - 1:  # advance one step (never to h_t)
+                nxt.append((u[cur], (cur + 1, expect, hid, inn, sweeping)))
+            if hidden and cur > 0 and cur not in hid:
+                nxt.append((0, (cur, expect, hid | {cur}, inn, sweeping)))
+            if internal and cur <= expect and all(step != cur for step, _, _ in inn):
+                size, reduced = internal_size(cur, hid, inn)
+                new = inn | {(cur, size, reduced)}
+                nxt.append((u[cur], (cur + 1, expect, hid, new, sweeping)))
+            if fused and cur == expect:
+                nxt.append((u[cur], (-1, expect - 1, hid, inn, False)))
+        for step, _, _ in inn:
+            if step == expect:
+                nxt.append((0, (-1, expect - 1, hid, inn, False)))
+        if not sweeping:
+            nxt.append((0, (0, expect, hid, inn, False)))  # load h_0
+            for p in hid:
+                nxt.append((0, (p, expect, hid, inn, False)))
+            for step, _, _ in inn:
+                nxt.append((0, (step + 1, expect, hid, inn, False)))
+        if early_free:
+            for p in hid:
+                nxt.append((0, (cur, expect, hid - {p}, inn, sweeping)))
+            for item in inn:
+                nxt.append((0, (cur, expect, hid, inn - {item}, sweeping)))
+        for dc, new_state in nxt:
+            c1, e2, h2, i2, sw = new_state
+            if used(h2, i2) > memory or not inputs_ok(h2, i2):
+                continue
+            # States past what remains to be back-propagated are useless: freeing them
+            # costs nothing, so drop them at once (keeps the search small).
+            if any(p > e2 for p in h2) or any(q > e2 for q, _, _ in i2):
+                h2 = frozenset(p for p in h2 if p <= e2)
+                i2 = frozenset(x for x in i2 if x[0] <= e2)
+            new_state = (c1 if c1 <= e2 else -1, e2, h2, i2, sw)
+            c2 = cost + dc
+            if c2 < best.get(new_state, float("inf")):
+                best[new_state] = c2
+                tie += 1
+                heapq.heappush(heap, (c2, tie, new_state))
+    return float("inf")
