@@ -11,9 +11,6 @@ import pytest
 import memento.planning
 from memento import cli
 
-HAS_PLANNER = hasattr(memento.planning, "plan") and hasattr(memento.planning, "cost_table")
-needs_planner = pytest.mark.skipif(not HAS_PLANNER, reason="memento.planning.plan not landed")
-
 
 @pytest.fixture
 def revolve_planner(monkeypatch):
@@ -68,7 +65,6 @@ def test_plan_plot(capsys, revolve_planner, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_planner
 def test_plan_headline(capsys):
     # Gruslys et al. section 3.2: ISM at t = 1000 with 50 internal states saves 95% of
     # the memory for about a third more time than plain BPTT (backward = 2 forwards).
@@ -82,7 +78,6 @@ def test_plan_headline(capsys):
     assert ratio == pytest.approx(1.32, abs=0.01)
 
 
-@needs_planner
 @pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
 def test_plan_policies_json(capsys, policy):
     argv = ["plan", "--steps", "200", "--memory", "30", "--policy", policy, "--json"]
@@ -96,7 +91,6 @@ def test_plan_policies_json(capsys, policy):
     assert record["memory"] <= 30
 
 
-@needs_planner
 def test_curves(capsys, tmp_path):
     code, out, _ = run(capsys, "curves", "--steps", "60", "--out", str(tmp_path))
     assert code == 0
@@ -140,7 +134,6 @@ def test_bad_backward_cost_exit_2(capsys, revolve_planner):
     assert "backward_cost must be > 0, got 0.0" in err
 
 
-@needs_planner
 def test_bad_policy_exit_2(capsys):
     code, _, err = run(capsys, "plan", "--steps", "10", "--memory", "3", "--policy", "nope")
     assert code == 2
