@@ -49,25 +49,24 @@ def _plan(args) -> int:
         print(json.dumps(record))
         return 0
     t, b = summary.num_steps, summary.backward_cost
-    sizes = f"alpha={schedule.alpha}, beta={schedule.beta}" if schedule.policy != "hsm" else ""
     print(
-        f"{schedule.policy.upper()} schedule for {t} steps in {schedule.memory} slots"
-        + (f" ({sizes})" if sizes else "")
+        f"{schedule.policy.upper()} schedule: {t} steps, {schedule.memory} slots"
+        f" (a slot holds a hidden state, an internal state takes alpha={schedule.alpha})"
     )
     print(
-        f"  cost            {summary.cost} forward steps = {summary.cost_per_step:.3f} per step"
-        f" (plain BPTT: {t}, 1.000 per step)"
+        f"  cost            {summary.cost} forward steps, {summary.cost_per_step:.3f} per step"
+        " (plain BPTT: 1.000)"
     )
     print(
-        f"  memory          {summary.memory} slots used, {100 * summary.memory_saved:.1f}% less"
-        f" than plain BPTT storing every internal state ({summary.bptt_memory} slots)"
+        f"  memory          {summary.memory} slots at peak: {100 * summary.memory_saved:.1f}%"
+        f" less than plain BPTT ({summary.bptt_memory} slots, every internal state)"
     )
     print(
         f"  predicted time  {summary.time_ratio:.3f}x plain BPTT"
-        f" (forward 1, backward {b:g}: {summary.cost + t * b:g} vs {t * (1 + b):g})"
+        f" (forward = 1, backward = {b:g}: {summary.cost + t * b:g} vs {t * (1 + b):g})"
     )
     print(
-        f"  schedule        {len(schedule.actions)} actions, replayed and checked:"
+        f"  replay          {len(schedule.actions)} actions checked:"
         f" {replay.forward_evaluations} forward evaluations, peak {replay.peak_memory} slots"
     )
     if args.plot:
