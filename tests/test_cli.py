@@ -35,7 +35,7 @@ def test_plan_human_output(capsys, revolve_planner):
     # HSM's closed form: C(1000, 10) = 5 * 1000 - binom(14, 11) = 4636.
     assert "4636 forward steps, 4.636 per step" in out
     assert "10 slots at peak: 99.0% less than plain BPTT" in out
-    assert "(1001 slots)" in out
+    assert "(1001 slots, every internal state)" in out
     ratio = (4636 + 2000) / 3000
     assert f"{ratio:.3f}x plain BPTT" in out
     assert "peak 10 slots" in out
