@@ -314,6 +314,7 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     forward, backward, held_h, held_i = [], [], [], []
     dots_h, dots_i = [], []
@@ -363,6 +364,7 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
         ax.plot(*np.array(dots_i).T, "s", color="tab:blue", markersize=size)
     ax.set_xlim(-0.02 * t - 0.5, t * 1.02 + 0.5)
     ax.set_ylim(rows + 0.5, -0.5)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("logical time (position in the sequence)")
     ax.set_ylabel("execution order (backward steps done)")
     if title is None:
