@@ -1,0 +1,4 @@
+"""JAX executors of checkpointing schedules: `scan` (and `while_loop`)."""
+
+from ._budget import bytes_budget as bytes_budget
+from ._scan import scan as scan

@@ -1,0 +1,364 @@
+"""The schedule interpreter shared by `memento.scan` and `memento.while_loop`.
+
+A schedule (see `memento.planning`) is turned into a `Program`: small integer arrays that
+the compiled code reads as data. The program size therefore does not depend on the number
+of steps: the body is traced once for each kind of work (primal step, step with residuals,
+pullback), whatever the schedule.
+
+The backward pass is two nested ``while_loop``s. The outer one walks the steps to
+back-propagate, t-1 down to 0. For each, the inner one runs the *primal* rows the
+schedule puts before that step's backward (advance, save, load; dispatched by
+``lax.switch`` on an unbatched opcode), then the step is back-propagated once, either from
+its stored internal state or fused with one more forward evaluation. Cotangents of the
+consts are accumulated once per step, as ``lax.scan``'s own transpose does.
+
+Slots are preallocated buffers with a leading slot axis: one per carry leaf for hidden
+states, one per stored residual leaf (plus the output carry, when the schedule loads it)
+for internal states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..planning import Op, Schedule
+from ._body import Body, ResidualSpec, merge, split
+
+# Indices of the primal branches of the inner switch.
+_PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
+_BRANCH = np.full(max(Op) + 1, -1, dtype=np.int32)
+for _i, _op in enumerate(_PRIMAL_OPS):
+    _BRANCH[_op] = _i
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A schedule compiled to arrays (all NumPy; turned into constants when traced).
+
+    Attributes:
+        num_steps: t.
+        save_hidden: ``(t,)``: hidden slot that stores ``h_p`` during the first sweep, or -1.
+        save_internal: ``(t,)``: internal slot that stores step ``p`` in the sweep, or -1.
+        fused_last: whether step t-1 is back-propagated fused (its residuals then go from
+            the forward pass to the backward pass as the working state).
+        primal_rows: ``(n, 3)`` rows (branch, arg, pos) run in the backward pass.
+        segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
+            ``[segment_end[k-1], segment_end[k])`` run before it.
+        backward_rows: ``(t, 2)``: (fused?, internal slot) of the k-th backward.
+        num_hidden, num_internal: slots to allocate.
+        loads_internal: whether the internal slots must also hold the output carry.
+    """
+
+    num_steps: int
+    save_hidden: np.ndarray
+    save_internal: np.ndarray
+    fused_last: bool
+    primal_rows: np.ndarray
+    segment_end: np.ndarray
+    backward_rows: np.ndarray
+    num_hidden: int
+    num_internal: int
+    loads_internal: bool
+
+    @property
+    def any_fused(self) -> bool:
+        """Whether a backward after the first is fused (the first is special-cased)."""
+        return bool(self.backward_rows[1:, 0].any())
+
+    @property
+    def any_internal(self) -> bool:
+        """Whether a backward after the first reads an internal slot."""
+        return bool((self.backward_rows[1:, 0] == 0).any())
+
+    @property
+    def sweep_saves_internal(self) -> bool:
+        return bool((self.save_internal >= 0).any())
+
+    @property
+    def sweep_saves_hidden(self) -> bool:
+        return bool((self.save_hidden >= 0).any())
+
+
+def compile_schedule(schedule: Schedule) -> Program:
+    """Turns a schedule into a `Program`; the schedule is replayed (checked) first."""
+    schedule.simulate()
+    t = schedule.num_steps
+    rows = schedule.executable()
+    is_bw = np.isin(rows[:, 0], (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL))
+    first_bw = int(np.argmax(is_bw))
+    sweep, rest = rows[:first_bw], rows[first_bw:]
+
+    save_hidden = np.full(t, -1, np.int32)
+    save_internal = np.full(t, -1, np.int32)
+    for op, arg, pos in sweep:
+        if op == Op.SAVE_HIDDEN:
+            save_hidden[pos] = arg
+        elif op == Op.SAVE_INTERNAL:
+            save_internal[pos] = arg
+
+    bw_mask = is_bw[first_bw:]
+    bw = rest[bw_mask]
+    prim = rest[~bw_mask]
+    # Number of primal rows before each backward row (after the first).
+    segment_end = np.cumsum(~bw_mask)[bw_mask].astype(np.int32)
+    primal_rows = np.stack([_BRANCH[prim[:, 0]], prim[:, 1], prim[:, 2]], axis=1).astype(np.int32)
+    backward_rows = np.stack([bw[:, 0] == Op.BACKWARD_FUSED, bw[:, 1]], axis=1).astype(np.int32)
+    saves_h = rows[rows[:, 0] == Op.SAVE_HIDDEN]
+    saves_i = rows[rows[:, 0] == Op.SAVE_INTERNAL]
+    return Program(
+        num_steps=t,
+        save_hidden=save_hidden,
+        save_internal=save_internal,
+        fused_last=bool(bw[0, 0] == Op.BACKWARD_FUSED),
+        primal_rows=primal_rows.reshape(-1, 3),
+        segment_end=segment_end,
+        backward_rows=backward_rows,
+        num_hidden=int(saves_h[:, 1].max()) + 1 if len(saves_h) else 0,
+        num_internal=int(saves_i[:, 1].max()) + 1 if len(saves_i) else 0,
+        loads_internal=bool((rows[:, 0] == Op.LOAD_INTERNAL).any()),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Slot buffers
+
+
+@dataclasses.dataclass
+class Slots:
+    """Hidden and internal slot buffers (lists of arrays with a leading slot axis)."""
+
+    hidden: list
+    internal: list  # stored residual leaves, then (if loads_internal) output carry leaves
+
+    @staticmethod
+    def allocate(prog: Program, body: Body, spec: ResidualSpec) -> Slots:
+        def buf(n, aval):
+            return jnp.zeros((n, *aval.shape), aval.dtype)
+
+        hidden = [buf(prog.num_hidden, a) for a in body.carry_avals] if prog.num_hidden else []
+        internal_avals = list(spec.stored) + (list(body.carry_avals) if prog.loads_internal else [])
+        internal = [buf(prog.num_internal, a) for a in internal_avals] if prog.num_internal else []
+        return Slots(hidden, internal)
+
+
+jax.tree_util.register_dataclass(Slots, data_fields=["hidden", "internal"], meta_fields=[])
+
+
+def _write(buffers, index, values, when=None):
+    """``buffers[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
+    index = jnp.maximum(index, 0)
+    out = []
+    for b, v in zip(buffers, values):
+        if when is not None:
+            v = jnp.where(when, v, b[index])
+        out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
+    return out
+
+
+def _read(buffers, index):
+    index = jnp.maximum(index, 0)
+    return [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in buffers]
+
+
+def _x_at(xs, p):
+    return [lax.dynamic_index_in_dim(x, p, 0, keepdims=False) for x in xs]
+
+
+# ----------------------------------------------------------------------------------------
+# The forward pass: the first sweep
+
+
+def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *, unroll=1):
+    """Runs the first sweep, filling the slots the schedule saves on the way.
+
+    Returns:
+        ``(carry, ys, slots, working)``: the final carry and all outputs, as ``lax.scan``;
+        the slots; and, when the last step is back-propagated fused, its stored residuals
+        (the paper's working internal state, kept from the forward to the backward pass),
+        else ``None``.
+    """
+    t = prog.num_steps
+    slots = Slots.allocate(prog, body, spec)
+    n_sweep = t - 1 if prog.fused_last else t
+    has_internal = prog.sweep_saves_internal
+
+    def step(state, inp):
+        c, slots = state
+        x, sh, si = inp
+        hidden = _write(slots.hidden, sh, c, sh >= 0) if prog.sweep_saves_hidden else slots.hidden
+        internal = slots.internal
+        if has_internal:
+            c_new, y, res = body.save(spec, consts, c, x)
+            extra = c_new if prog.loads_internal else []
+            internal = _write(internal, si, res + extra, si >= 0)
+        else:
+            c_new, y = body(consts, c, x)
+        return (c_new, Slots(hidden, internal)), y
+
+    head = [x[:n_sweep] for x in xs]
+    inputs = (
+        head,
+        jnp.asarray(prog.save_hidden[:n_sweep]),
+        jnp.asarray(prog.save_internal[:n_sweep]),
+    )
+    if n_sweep > 0:
+        (c, slots), ys = lax.scan(step, (list(init), slots), inputs, unroll=unroll)
+    else:
+        c, ys = list(init), [jnp.zeros((0, *a.shape), a.dtype) for a in body.y_avals]
+    working = None
+    if prog.fused_last:
+        x_last = [x[t - 1] for x in xs]
+        if prog.save_hidden[t - 1] >= 0:
+            slots = Slots(_write(slots.hidden, int(prog.save_hidden[t - 1]), c), slots.internal)
+        c, y_last, working = body.save(spec, consts, c, x_last)
+        ys = [jnp.concatenate([a, b[None].astype(a.dtype)]) for a, b in zip(ys, y_last)]
+    return c, ys, slots, working
+
+
+# ----------------------------------------------------------------------------------------
+# The backward pass
+
+
+def run_backward(
+    prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, slots, working, ct_carry, ct_ys
+):
+    """Back-propagates through all steps following the program.
+
+    Args:
+        ct_carry: cotangent of the final carry (float leaves only).
+        ct_ys: cotangents of the stacked outputs (float leaves only).
+
+    Returns:
+        ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only.
+    """
+    t = prog.num_steps
+    kf, _ = split(consts, body.const_mask)
+    n_stored = len(spec.stored)
+    xs_f, _ = split(xs, body.x_mask)
+
+    primal_rows = jnp.asarray(prog.primal_rows)
+    segment_end = jnp.asarray(prog.segment_end)
+    backward_rows = jnp.asarray(prog.backward_rows)
+
+    # -- the primal rows ----------------------------------------------------------------
+    def advance(c, slots, arg, pos):
+        def one(i, c):
+            return body(consts, c, _x_at(xs, pos + i))[0]
+
+        return lax.fori_loop(0, arg, one, c), slots
+
+    def save_hidden(c, slots, arg, pos):
+        return c, Slots(_write(slots.hidden, arg, c), slots.internal)
+
+    def save_internal(c, slots, arg, pos):
+        c_new, _, res = body.save(spec, consts, c, _x_at(xs, pos))
+        extra = c_new if prog.loads_internal else []
+        return c_new, Slots(slots.hidden, _write(slots.internal, arg, res + extra))
+
+    def load_hidden(c, slots, arg, pos):
+        if not slots.hidden:
+            return list(init), slots
+        stored = _read(slots.hidden, arg)
+        return [jnp.where(arg < 0, a, b) for a, b in zip(init, stored)], slots
+
+    def load_internal(c, slots, arg, pos):
+        if not prog.loads_internal:  # never taken: keeps the branches' types equal
+            return c, slots
+        return _read(slots.internal, arg)[n_stored:], slots
+
+    branches = (advance, save_hidden, save_internal, load_hidden, load_internal)
+
+    def run_primal(c, slots, lo, hi):
+        if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
+            return c, slots
+
+        def cond(state):
+            return state[0] < hi
+
+        def body_fn(state):
+            pc, c, slots = state
+            branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 2]
+            c, slots = lax.switch(branch, branches, c, slots, arg, pos)
+            return pc + 1, c, slots
+
+        _, c, slots = lax.while_loop(cond, body_fn, (lo, c, slots))
+        return c, slots
+
+    # -- one backward -------------------------------------------------------------------
+    def pullback_fused(c, slots, slot, p):
+        return body.linearize(consts, c, _x_at(xs, p))[2]
+
+    def pullback_stored(c, slots, slot, p):
+        stored = _read(slots.internal, slot)[:n_stored]
+        return body.restore(spec, stored, consts, _x_at(xs, p))
+
+    def apply(pullback, ct_c, ct_y):
+        d_k, d_c, d_x = pullback((list(ct_c), list(ct_y)))
+        return list(d_k), list(d_c), list(d_x)
+
+    def backward_step(make_pullback, c, slots, slot, p, ct_c, ct_k, ct_xs):
+        ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
+        d_k, d_c, d_x = make_pullback(c, slots, slot, p, ct_c, ct_y)
+        ct_k = [a + b for a, b in zip(ct_k, d_k)]
+        ct_xs = [
+            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
+        ]
+        return d_c, ct_k, ct_xs
+
+    def fused_bw(c, slots, slot, p, ct_c, ct_y):
+        return apply(pullback_fused(c, slots, slot, p), ct_c, ct_y)
+
+    def stored_bw(c, slots, slot, p, ct_c, ct_y):
+        return apply(pullback_stored(c, slots, slot, p), ct_c, ct_y)
+
+    def either_bw(fused):
+        # Both kinds in one schedule (MSM): choose at run time; the pullback's results
+        # are plain arrays, so the two branches agree in type.
+        def bw(c, slots, slot, p, ct_c, ct_y):
+            return lax.cond(fused == 1, fused_bw, stored_bw, c, slots, slot, p, ct_c, ct_y)
+
+        return bw
+
+    ct_k0 = [jnp.zeros_like(k) for k in kf]
+    ct_xs0 = [jnp.zeros_like(x) for x in xs_f]
+
+    # The first backward: step t-1, from the working state or from its internal slot.
+    if prog.fused_last:
+
+        def first_bw(c, slots, slot, p, ct_c, ct_y):
+            return apply(body.restore(spec, working, consts, _x_at(xs, p)), ct_c, ct_y)
+    else:
+        first_bw = stored_bw
+    first_slot = int(prog.backward_rows[0, 1])
+    ct_c, ct_k, ct_xs = backward_step(
+        first_bw, init, slots, first_slot, t - 1, list(ct_carry), ct_k0, ct_xs0
+    )
+
+    c0 = [jnp.zeros_like(a) for a in init]  # the working state; meaningless until loaded
+
+    def outer_cond(state):
+        return state[0] < t
+
+    def outer_body(state):
+        k, c, slots, ct_c, ct_k, ct_xs = state
+        c, slots = run_primal(c, slots, segment_end[k - 1], segment_end[k])
+        fused, slot = backward_rows[k, 0], backward_rows[k, 1]
+        p = t - 1 - k
+        if prog.any_fused and prog.any_internal:
+            bw = either_bw(fused)
+        else:
+            bw = fused_bw if prog.any_fused else stored_bw
+        ct_c, ct_k, ct_xs = backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs)
+        return k + 1, c, slots, ct_c, ct_k, ct_xs
+
+    state = (jnp.int32(1), c0, slots, ct_c, ct_k, ct_xs)
+    if t > 1:
+        state = lax.while_loop(outer_cond, outer_body, state)
+    _, _, _, ct_c, ct_k, ct_xs = state
+    return ct_k, ct_c, ct_xs
