@@ -167,6 +167,9 @@ def test_compare_to_bptt():
     c = bl.compare_to_bptt(bl.store_all(100))
     assert (c.cost, c.memory, c.bptt_memory) == (100, 100, 100)
     assert c.time_ratio == 1.0 and c.memory_saved == 0.0
+    for alpha, beta in [(1, 1), (5, 4), (7, 7)]:
+        s = bl.store_all(30, alpha=alpha, beta=beta)
+        assert bl.compare_to_bptt(s).bptt_memory == s.memory
     c = bl.compare_to_bptt(bl.revolve(1000, 50), backward_cost=3.0)
     assert c.bptt_memory == 1001  # every internal state, plus h_0 which HSM counts
     assert c.cost_per_step == c.cost / 1000

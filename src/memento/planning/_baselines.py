@@ -421,8 +421,8 @@ def compare_to_bptt(schedule: Schedule, *, backward_cost: float = 2.0) -> BpttCo
     if not (b > 0 and math.isfinite(b)):
         raise ValueError(f"{where}: backward_cost must be > 0, got {backward_cost!r}.")
     t = schedule.num_steps
-    bptt = store_all(t, alpha=schedule.alpha, beta=schedule.beta)
-    bptt_memory = bptt.memory + int(schedule.counts_initial)
+    # store_all's memory, t beta (tested against its replay), without building it.
+    bptt_memory = t * schedule.beta + int(schedule.counts_initial)
     return BpttComparison(
         num_steps=t,
         cost=schedule.cost,
