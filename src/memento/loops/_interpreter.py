@@ -20,7 +20,6 @@ for internal states.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from ..planning import Op, Schedule
-from ._body import Body, ResidualSpec, merge, split
+from ._body import Body, ResidualSpec, split
 
 # Indices of the primal branches of the inner switch.
 _PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
@@ -247,32 +246,38 @@ def run_backward(
     backward_rows = jnp.asarray(prog.backward_rows)
 
     # -- the primal rows ----------------------------------------------------------------
-    def advance(c, slots, arg, pos):
+    # XLA copies a buffer that goes through a conditional whose branches both read it
+    # and hand it back; a branch that writes it, against one that passes it unchanged,
+    # stays in place. So slot reads happen outside any conditional, hidden saves are
+    # masked writes, internal saves a write-or-identity ``cond``, and the ``switch``
+    # only sees the (small) working carry.
+    rows_ops = set(prog.primal_rows[:, 0].tolist())
+    SAVE_H, SAVE_I = _BRANCH[Op.SAVE_HIDDEN], _BRANCH[Op.SAVE_INTERNAL]
+    LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
+
+    def advance(c, loaded_h, loaded_i, arg, pos):
         def one(i, c):
             return body(consts, c, _x_at(xs, pos + i))[0]
 
-        return lax.fori_loop(0, arg, one, c), slots
+        return lax.fori_loop(0, arg, one, c)
 
-    def save_hidden(c, slots, arg, pos):
-        return c, Slots(_write(slots.hidden, arg, c), slots.internal)
+    def keep(c, loaded_h, loaded_i, arg, pos):
+        return c
 
-    def save_internal(c, slots, arg, pos):
+    def load_hidden(c, loaded_h, loaded_i, arg, pos):
+        return loaded_h
+
+    def load_internal(c, loaded_h, loaded_i, arg, pos):
+        return loaded_i
+
+    # switch index per primal branch: ADVANCE, SAVE_H, SAVE_I, LOAD_H, LOAD_I
+    switch_of = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)
+    switch_branches = (advance, keep, load_hidden, load_internal)
+
+    def save_internal(c, internal, arg, pos):
         c_new, _, res = body.save(spec, consts, c, _x_at(xs, pos))
         extra = c_new if prog.loads_internal else []
-        return c_new, Slots(slots.hidden, _write(slots.internal, arg, res + extra))
-
-    def load_hidden(c, slots, arg, pos):
-        if not slots.hidden:
-            return list(init), slots
-        stored = _read(slots.hidden, arg)
-        return [jnp.where(arg < 0, a, b) for a, b in zip(init, stored)], slots
-
-    def load_internal(c, slots, arg, pos):
-        if not prog.loads_internal:  # never taken: keeps the branches' types equal
-            return c, slots
-        return _read(slots.internal, arg)[n_stored:], slots
-
-    branches = (advance, save_hidden, save_internal, load_hidden, load_internal)
+        return c_new, _write(internal, arg, res + extra)
 
     def run_primal(c, slots, lo, hi):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
@@ -284,8 +289,21 @@ def run_backward(
         def body_fn(state):
             pc, c, slots = state
             branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 2]
-            c, slots = lax.switch(branch, branches, c, slots, arg, pos)
-            return pc + 1, c, slots
+            hidden, internal = slots.hidden, slots.internal
+            if SAVE_I in rows_ops:
+                c, internal = lax.cond(
+                    branch == SAVE_I, save_internal, lambda c, i, *_: (c, i), c, internal, arg, pos
+                )
+            if SAVE_H in rows_ops:
+                hidden = _write(hidden, arg, c, branch == SAVE_H)
+            loaded_h = loaded_i = c
+            if LOAD_H in rows_ops:
+                stored = _read(hidden, arg) if hidden else init
+                loaded_h = [jnp.where(arg < 0, a, b) for a, b in zip(init, stored)]
+            if LOAD_I in rows_ops:
+                loaded_i = _read(internal, arg)[n_stored:]
+            c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
+            return pc + 1, c, Slots(hidden, internal)
 
         _, c, slots = lax.while_loop(cond, body_fn, (lo, c, slots))
         return c, slots
