@@ -81,13 +81,10 @@ def paper_curves(max_steps: int) -> list[Curves]:
     t = np.arange(1, T + 1)
     bptt = ("standard BPTT", 1.0)
 
-    def table(policy: str, memory: int, alpha=None, beta=None) -> np.ndarray:
-        return cost_table(T, memory, policy=policy, alpha=alpha, beta=beta)
-
     # Costs stop falling once everything fits: T hidden states (HSM), T internal states
     # (ISM); larger budgets read that last column. MSM tables are O(t^2 m): see _msm.
-    hsm = table("hsm", min(max(PAPER_MEMORIES), T + 1))
-    ism = table("ism", min(max(PAPER_MEMORIES), T + 1))
+    hsm = cost_table(T, min(max(PAPER_MEMORIES), T + 1), policy="hsm")
+    ism = cost_table(T, min(max(PAPER_MEMORIES), T + 1), policy="ism")
     msm = _msm(T, [ALPHA * m for m in (*PAPER_MEMORIES, 10, 20)], ALPHA)
     panels = [
         Curves(
@@ -152,7 +149,7 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
     out = {}
     for m in memories:
         cost = t.astype(np.float64)
-        if m in short:
+        if table is not None and m in short:
             cost = np.where(m >= fits, cost, table[1:, m])
         out[m] = np.where(np.isfinite(cost), cost / t, np.nan)
     return out

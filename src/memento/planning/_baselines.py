@@ -32,6 +32,8 @@ import numbers
 import sys
 from math import comb
 
+import numpy as np
+
 from ._schedule import INITIAL, Op, Schedule, simulate
 
 __all__ = [
@@ -87,6 +89,7 @@ class _Rows:
             self.cur = to
 
     def save_hidden(self, slot: int):
+        assert self.cur is not None
         self.rows.append((Op.SAVE_HIDDEN, slot, self.cur))
 
     def save_internal(self, slot: int):
@@ -96,6 +99,7 @@ class _Rows:
         self.cur += 1
 
     def backward_fused(self):
+        assert self.cur is not None
         self.rows.append((Op.BACKWARD_FUSED, 0, self.cur))
         self.cost += 1
         self.cur = None
@@ -112,7 +116,8 @@ class _Rows:
     def schedule(self, num_steps: int, policy: str, **sizes) -> Schedule:
         # The budget is what the replay measures: plan with an unbounded budget, replay,
         # then record the peak (the replay also checks every rule of the contract).
-        draft = Schedule(num_steps, sys.maxsize, policy, self.cost, self.rows, **sizes)
+        rows = np.array(self.rows, dtype=np.int64).reshape(-1, 3)
+        draft = Schedule(num_steps, sys.maxsize, policy, self.cost, rows, **sizes)
         return dataclasses.replace(draft, memory=simulate(draft).peak_memory)
 
 
