@@ -1,4 +1,10 @@
-"""Optimal checkpointing policies (Gruslys et al. 2016) as explicit schedules. NumPy only."""
+"""Optimal checkpointing policies (Gruslys et al. 2016) as explicit schedules. NumPy only.
+
+Planners: `plan`, `cost_table`, `plan_chain`. Baselines, flat in this namespace and in
+``memento``, each a replayed `Schedule` under the same memory model: `store_all` (plain
+BPTT), `store_none`, `chen_sqrt`, `chen_recursive`, `revolve` (with `revolve_cost`);
+`compare_to_bptt` reports any schedule's memory saved and predicted time.
+"""
 
 from ._baselines import BpttComparison as BpttComparison
 from ._baselines import chen_recursive as chen_recursive
