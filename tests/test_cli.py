@@ -140,6 +140,15 @@ def test_bad_policy_exit_2(capsys):
     assert "nope" in err and "Traceback" not in err
 
 
+def test_unwritable_output_exit_2(capsys, revolve_planner, tmp_path):
+    target = tmp_path / "missing" / "schedule.png"
+    code, _, err = run(
+        capsys, "plan", "--steps", "10", "--memory", "3", "--policy", "hsm", "--plot", str(target)
+    )
+    assert code == 2
+    assert err.startswith("memento plan: error:") and "schedule.png" in err
+
+
 def test_usage_errors(capsys):
     assert cli.main(["plan", "--steps", "10"]) == 2
     assert "required: --memory" in capsys.readouterr().err

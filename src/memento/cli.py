@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        0 on success; 2 for bad arguments or values the library rejects (its message is
-        printed on stderr); 1 when an optional subcommand is not available.
+        0 on success; 2 for bad arguments, values the library rejects or files that cannot
+        be written (the message is printed on stderr, without a traceback); 1 when an
+        optional subcommand is not available.
     """
     parser = _parser()
     try:
@@ -172,6 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         return args.handler(args)
-    except (ValueError, TypeError, NotImplementedError) as e:
+    except (ValueError, TypeError, NotImplementedError, OSError) as e:
         print(f"memento {args.command}: error: {e}", file=sys.stderr)
         return 2
