@@ -32,6 +32,7 @@ the s-th smallest from both sides, and as many of the ties as each side has (`is
 
 from __future__ import annotations
 
+import bisect
 from math import comb
 
 import numpy as np
@@ -39,19 +40,17 @@ import numpy as np
 __all__ = ["hsm_cost", "hsm_split", "ism_column", "ism_cost", "ism_split"]
 
 
+_BINOMS: dict[int, list[int]] = {}  # m -> [binom(m+r, r) for r = 0, 1, ...], grown on demand
+
+
 def _level(m: int, s: int, offset: int) -> int:
-    """Smallest r >= 1 with ``binom(m+r, r) - offset >= s`` (exponential + binary search)."""
-    hi = 1
-    while comb(m + hi, hi) - offset < s:
-        hi *= 2
-    lo = max(1, hi // 2)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if comb(m + mid, mid) - offset >= s:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    """Smallest r >= 1 with ``binom(m+r, r) - offset >= s``."""
+    table = _BINOMS.setdefault(m, [1])
+    target = s + offset
+    while table[-1] < target:
+        r = len(table)
+        table.append(table[-1] * (m + r) // r)  # binom(m+r, r) from binom(m+r-1, r-1)
+    return max(1, bisect.bisect_left(table, target))
 
 
 def ism_cost(t: int, m: int) -> int:

@@ -14,6 +14,7 @@ explicit stack (t may be 10^5: no Python recursion) into rows of ``_schedule.py`
 
 from __future__ import annotations
 
+import functools
 import numbers
 import time
 from typing import Literal
@@ -180,13 +181,73 @@ def _msm_tables(num_steps: int, memory: int, alpha: int, beta: int):
 # --------------------------------------------------------------------------- emission
 
 
+_BASE = -2  # placeholder op/arg in leaf templates: "load the subproblem's base"
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_template(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of a regular leaf relative to base position 0 and slot 0, built vectorised.
+
+    Returns ``(rows, slot_rows, base_rows)``: the ``(n, 3)`` rows, a mask of rows whose arg
+    is a slot of the leaf (offset by the slots in use), a mask of rows that load the base.
+    Leaves are where the recursion is regular (a few thousand of them in a 10^5-step plan
+    carry most of the rows), so they are emitted as arrays, not row by row.
+    """
+    if kind == "quadratic":  # C(t, 1) = t(t+1)/2: recompute from the base for each step
+        p = np.arange(t - 2, 0, -1)
+        mid = np.zeros((len(p), 3, 3), dtype=np.int64)
+        mid[:, 0] = (_BASE, _BASE, 0)
+        mid[:, 1, 0], mid[:, 1, 1] = _ADV, p
+        mid[:, 2, 0], mid[:, 2, 2] = _FUSED, p
+        rows = np.concatenate(
+            [
+                [(_ADV, t - 1, 0), (_FUSED, 0, t - 1)],
+                mid.reshape(-1, 3),
+                [(_BASE, _BASE, 0), (_FUSED, 0, 0)],
+            ]
+        ).astype(np.int64)
+        slot = np.zeros(len(rows), dtype=bool)
+    elif kind == "hidden_chain":  # C = 2t - 1: keep h_1 .. h_{t-2}, fuse the last step
+        k = np.arange(1, t - 1)
+        fwd = np.zeros((len(k), 2, 3), dtype=np.int64)
+        fwd[:, 0, 0], fwd[:, 0, 1], fwd[:, 0, 2] = _ADV, 1, k - 1
+        fwd[:, 1, 0], fwd[:, 1, 1], fwd[:, 1, 2] = _SAVE_H, k - 1, k
+        kr = k[::-1]
+        back = np.zeros((len(k), 3, 3), dtype=np.int64)
+        back[:, 0, 0], back[:, 0, 1], back[:, 0, 2] = _LOAD_H, kr - 1, kr
+        back[:, 1, 0], back[:, 1, 2] = _FUSED, kr
+        back[:, 2, 0], back[:, 2, 1], back[:, 2, 2] = _FREE_H, kr - 1, kr
+        rows = np.concatenate(
+            [
+                fwd.reshape(-1, 3),
+                [(_ADV, 1, t - 2), (_FUSED, 0, t - 1)],
+                back.reshape(-1, 3),
+                [(_BASE, _BASE, 0), (_FUSED, 0, 0)],
+            ]
+        ).astype(np.int64)
+        slot = np.isin(rows[:, 0], (_SAVE_H, _LOAD_H, _FREE_H))
+    else:  # "internal_chain", C = t: keep every step's internal state, then unwind
+        k = np.arange(t)
+        kr = k[::-1]
+        back = np.zeros((t, 2, 3), dtype=np.int64)
+        back[:, 0, 0], back[:, 1, 0] = _BACK_I, _FREE_I
+        back[:, :, 1] = back[:, :, 2] = kr[:, None]
+        rows = np.concatenate([np.stack([np.full(t, _SAVE_I), k, k], 1), back.reshape(-1, 3)])
+        slot = np.ones(len(rows), dtype=bool)
+    base = rows[:, 0] == _BASE
+    for a in (rows, slot, base):
+        a.setflags(write=False)
+    return rows, slot, base
+
+
 def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, tables) -> np.ndarray:
     """Unrolls the policy's recursion into schedule rows, depth first, with a stack.
 
     Stack entries are nodes ``(b, t, m, hd, idp, base_op, base_arg)`` (hd / idp: hidden /
     internal slots in use, which are also the next free slot numbers since slots are used
     as stacks, exactly as the paper's Algorithm 2 pushes and pops) or ``(None, rows)`` for
-    rows to emit once the right part is done.
+    rows to emit once the right part is done. Split nodes write a few rows to a Python
+    list; regular leaves (`_leaf_template`) are written as NumPy blocks.
     """
     out: list[int] = []
     ext = out.extend
@@ -195,6 +256,14 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
     hsm, ism = policy == "hsm", policy == "ism"
     if tables is not None:
         kind_t, split_t = tables
+
+    # Leaves are only recorded here (where they go, what they hold) and written at the end,
+    # one vectorised block per (kind, length).
+    leaves: list[tuple] = []
+
+    def leaf(kind: str, t: int, b: int, slot0: int, bop: int, barg: int) -> None:
+        leaves.append((kind, t, len(out) // 3, b, slot0, bop, barg))
+
     while stack:
         node = pop()
         b = node[0]
@@ -204,11 +273,10 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
         _, t, m, hd, idp, bop, barg = node
         if ism:
             if t <= m:
-                # Plentiful memory, C = t: store every step's internal state, then unwind.
-                for k in range(t):
-                    ext((_SAVE_I, idp + k, b + k))
-                for k in range(t - 1, -1, -1):
-                    ext((_BACK_I, idp + k, b + k, _FREE_I, idp + k, b + k))
+                if t == 1:
+                    ext((_SAVE_I, idp, b, _BACK_I, idp, b, _FREE_I, idp, b))
+                else:
+                    leaf("internal_chain", t, b, idp, bop, barg)
                 continue
             kind = _INTERNAL
             y = t if m == 1 else 1 + ism_split(t - 1, m, True)
@@ -218,22 +286,11 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
                 ext((_FUSED, 0, b))
                 continue
             if m == 1:
-                # C(t, 1) = t(t+1)/2: only the base is held; recompute from it for each step.
-                ext((_ADV, t - 1, b, _FUSED, 0, b + t - 1))
-                for p in range(t - 2, 0, -1):
-                    ext((bop, barg, b, _ADV, p, b, _FUSED, 0, b + p))
-                ext((bop, barg, b, _FUSED, 0, b))
+                leaf("quadratic", t, b, 0, bop, barg)
                 continue
             if hsm:
                 if t <= m + 1:
-                    # C = 2t - 1: keep h_{b+1} .. h_{b+t-2}; the last step is fused.
-                    for k in range(1, t - 1):
-                        ext((_ADV, 1, b + k - 1, _SAVE_H, hd + k - 1, b + k))
-                    ext((_ADV, 1, b + t - 2, _FUSED, 0, b + t - 1))
-                    for k in range(t - 2, 0, -1):
-                        s = hd + k - 1
-                        ext((_LOAD_H, s, b + k, _FUSED, 0, b + k, _FREE_H, s, b + k))
-                    ext((bop, barg, b, _FUSED, 0, b))
+                    leaf("hidden_chain", t, b, hd, bop, barg)
                     continue
                 kind, y = _HIDDEN, hsm_split(t, m)
             elif tables is None:  # MSM with alpha = beta = 1 is ISM's recursion (see plan)
@@ -262,7 +319,41 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
                 push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
             if t > y:
                 push((p + 1, t - y, mr, hd, idp + 1, _LOAD_I, idp))
-    return np.array(out, dtype=np.int64).reshape(-1, 3)
+    return _assemble(np.array(out, dtype=np.int64).reshape(-1, 3), leaves)
+
+
+def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
+    """Interleaves the split nodes' rows with the leaves' blocks, in depth-first order.
+
+    ``leaves[i] = (kind, t, k, b, slot0, base_op, base_arg)`` goes right after the first
+    ``k`` rows of ``small``.
+    """
+    if not leaves:
+        return small
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(leaf[:2], []).append(i)
+    _, _, before, bs, slots, bops, bargs = (np.asarray(a) for a in zip(*leaves, strict=True))
+    blocks: list[np.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
+    for (kind, t), idx in groups.items():
+        tmpl, slot, base = _leaf_template(kind, t)
+        idx = np.asarray(idx)
+        block = np.broadcast_to(tmpl, (len(idx), *tmpl.shape)).copy()
+        block[:, :, 2] += bs[idx, None]
+        block[:, slot, 1] += slots[idx, None]
+        block[:, base, 0] = bops[idx, None]
+        block[:, base, 1] = bargs[idx, None]
+        for i, rows in zip(idx.tolist(), block, strict=True):
+            blocks[i] = rows
+    pieces = []
+    prev = 0
+    for k, rows in zip(before.tolist(), blocks, strict=True):
+        if k > prev:
+            pieces.append(small[prev:k])
+            prev = k
+        pieces.append(rows)
+    pieces.append(small[prev:])
+    return np.concatenate(pieces)
 
 
 # --------------------------------------------------------------------------- public API
