@@ -156,6 +156,8 @@ def test_usage_errors(capsys):
     assert cli.main([]) == 2
     assert cli.main(["--help"]) == 0
     assert "plan" in capsys.readouterr().out
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"memento {memento.__version__}"
 
 
 def test_hooks_dispatch_lazily(capsys, monkeypatch):

@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="memento",
         description="Optimal gradient checkpointing through long loops (Gruslys et al. 2016).",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"memento {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
