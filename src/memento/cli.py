@@ -63,7 +63,7 @@ def _plan(args) -> int:
     )
     print(
         f"  predicted time  {summary.time_ratio:.3f}x plain BPTT"
-        f" (forward = 1, backward = {b:g}: {summary.cost + t * b:g} vs {t * (1 + b):g})"
+        f" (forward = 1, backward = {b:g}: {summary.cost + t * b:.10g} vs {t * (1 + b):.10g})"
     )
     print(
         f"  replay          {len(schedule.actions)} actions checked:"
