@@ -32,7 +32,7 @@ _POLICIES = ("hsm", "ism", "msm")
 _BIG = 1 << 60  # "infinity" in int64 tables; BIG + BIG + t still fits in int64
 _MAX_STEPS = 5_000_000  # beyond this, emitting the rows alone takes minutes
 _MSM_BUDGET_S = 120.0  # refuse exact MSM tables estimated to take longer than this
-_NS_PER_CELL = 4e-9  # measured cost of one (t, m, y) candidate of the vectorised MSM DP
+_NS_PER_CELL = 2e-9  # measured cost of one (t, m, y) candidate of the vectorised MSM DP
 
 # Opcodes as plain ints (the emitter's inner loop is hot).
 _ADV = int(Op.ADVANCE)
@@ -135,47 +135,52 @@ def _msm_tables(num_steps: int, memory: int, alpha: int, beta: int):
     - C(., m) is *not* convex in t for alpha >= 2 and the optimal y are not an interval
       (found with the oracle), so the argmin cannot be tracked with a moving pointer.
     """
-    big = _BIG
+    # int32 halves the memory traffic of this bandwidth-bound loop; it is exact while two
+    # finite entries plus t stay below the int32 "infinity" 2^29 (C <= t(t+1)/2).
+    small = num_steps * (num_steps + 1) + num_steps < (1 << 29)
+    dtype = np.int32 if small else np.int64
+    big = (1 << 29) if small else _BIG
     pad = alpha  # columns m <= 0 are infeasible: store them as BIG on the left
-    cx = np.full((num_steps + 1, memory + 1 + pad), big, dtype=np.int64)
+    cx = np.full((num_steps + 1, memory + 1 + pad), big, dtype=dtype)
     cx[0, pad + 1 :] = 0  # C(0, m) = 0 for m >= 1
     ts = np.arange(num_steps + 1, dtype=np.int64)
     cx[1:, pad + 1] = ts[1:] * (ts[1:] + 1) // 2  # C(t, 1): h_0 only
     cx[1, pad + 1 :] = 1  # C(1, m) = 1: one fused step
     kind = np.zeros((num_steps + 1, memory + 1), dtype=np.int8)
     split = np.ones((num_steps + 1, memory + 1), dtype=np.int32)
-    if memory < 2:
-        return cx[:, pad:], kind, split
-    cols = slice(pad + 2, pad + memory + 1)  # m = 2..memory
-    width = memory - 1
-    both = alpha == beta
-    ar = np.arange(width)
-    for t in range(2, num_steps + 1):
-        left = cx[1:t, cols]  # C(y, m), y = 1..t-1 (also C(y-1, m) for y = 2..t)
-        y1 = np.arange(1, t, dtype=np.int64)[:, None]
-        q1 = left + cx[t - 1 : 0 : -1, pad + 1 : pad + memory] + y1  # + C(t-y, m-1)
-        d1 = q1.argmin(0)
-        best = q1[d1, ar]
-        h = np.zeros(width, dtype=np.int8)
-        d = d1 + 1
-        # Q2 at y = 1 (eq. 10, beta): 1 + C(0, m) + C(t-1, m-beta).
-        q2 = 1 + cx[t - 1, pad + 2 - beta : pad + memory + 1 - beta]
-        take = q2 < best
-        best = np.where(take, q2, best)
-        h[take] = _INTERNAL
-        d[take] = 1
-        if both:  # Q2 at y = 2..t: y + C(y-1, m) + C(t-y, m-alpha)
-            q2 = left + cx[t - 2 :: -1, pad + 2 - alpha : pad + memory + 1 - alpha] + y1 + 1
-            d2 = q2.argmin(0)
-            v2 = q2[d2, ar]
-            take = v2 < best
-            best = np.where(take, v2, best)
+    if memory >= 2:
+        cols = slice(pad + 2, pad + memory + 1)  # m = 2..memory
+        width = memory - 1
+        both = alpha == beta
+        ar = np.arange(width)
+        for t in range(2, num_steps + 1):
+            # y + C(y, m) for y = 1..t-1; also (y+1) + C(y, m) - 1 for Q2 at y+1 below.
+            left = cx[1:t, cols] + np.arange(1, t, dtype=dtype)[:, None]
+            q1 = left + cx[t - 1 : 0 : -1, pad + 1 : pad + memory]  # + C(t-y, m-1)
+            d1 = q1.argmin(0)
+            best = q1[d1, ar]
+            h = np.zeros(width, dtype=np.int8)
+            d = d1 + 1
+            # Q2 at y = 1 (eq. 10, beta): 1 + C(0, m) + C(t-1, m-beta).
+            q2 = 1 + cx[t - 1, pad + 2 - beta : pad + memory + 1 - beta]
+            take = q2 < best
+            best = np.where(take, q2, best)
             h[take] = _INTERNAL
-            d[take] = d2[take] + 2
-        cx[t, cols] = np.minimum(best, big)
-        kind[t, 2:] = h
-        split[t, 2:] = d
-    return cx[:, pad:], kind, split
+            d[take] = 1
+            if both:  # Q2 at y = 2..t: y + C(y-1, m) + C(t-y, m-alpha)
+                q2 = left + cx[t - 2 :: -1, pad + 2 - alpha : pad + memory + 1 - alpha]
+                d2 = q2.argmin(0)
+                v2 = q2[d2, ar] + 1
+                take = v2 < best
+                best = np.where(take, v2, best)
+                h[take] = _INTERNAL
+                d[take] = d2[take] + 2
+            cx[t, cols] = np.minimum(best, big)
+            kind[t, 2:] = h
+            split[t, 2:] = d
+    c = cx[:, pad:].astype(np.int64)
+    c[c >= big] = _BIG
+    return c, kind, split
 
 
 # --------------------------------------------------------------------------- emission
