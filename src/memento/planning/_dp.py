@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import time
 from typing import Literal
 
 import numpy as np
@@ -407,7 +406,7 @@ def plan(
         >>> import memento
         >>> s = memento.plan(10, 4)
         >>> s.cost, s.simulate().forward_evaluations
-        (22, 22)
+        (24, 24)
         >>> memento.plan(1000, 50, policy="ism").cost_per_step
         1.95
 
@@ -423,6 +422,7 @@ def plan(
             f"{t * 4e-6 / 60:.0f} min, {10 * t} rows); plan at most {_MAX_STEPS} steps"
         )
     tables = None
+    m_plan = m // alpha if policy == "ism" else m  # the paper's m for the recursion
     if policy == "hsm":
         cost = hsm_cost(t, m)
     elif policy == "ism":
@@ -439,21 +439,14 @@ def plan(
             raise ValueError(
                 f"{fn}: the exact MSM table for num_steps={t}, memory={m_eff}, "
                 f"alpha={alpha}, beta={beta} would take about {est / 60:.0f} min "
-                f"(O(t^2 m)); use policy='hsm' (closed form, never more than "
-                f"{hsm_cost(t, m) - t} extra evaluations) or fewer steps"
+                f"(O(t^2 m)); use policy='hsm' (closed form, cost {hsm_cost(t, m)} here) "
+                "or plan fewer steps"
             )
         c, kind, split = _msm_tables(t, m_eff, alpha, beta)
         cost = int(c[t, m_eff])
         tables = (kind, split)
         m_plan = m_eff
-    rows = _emit(
-        t,
-        m // alpha if policy == "ism" else (m_plan if tables is not None else m),
-        policy,
-        alpha,
-        beta,
-        tables,
-    )
+    rows = _emit(t, m_plan, policy, alpha, beta, tables)
     return Schedule(
         num_steps=t,
         memory=m,
@@ -517,10 +510,3 @@ def cost_table(
         c[c >= _BIG] = np.inf
         out[1:, 1:] = c[1:, 1:]
     return out
-
-
-def _timed_plan(*args, **kwargs) -> tuple[Schedule, float]:
-    """`plan` and its wall time in seconds (for benchmarks)."""
-    start = time.perf_counter()
-    s = plan(*args, **kwargs)
-    return s, time.perf_counter() - start
