@@ -29,7 +29,7 @@ Policy = Literal["hsm", "ism", "msm"]
 _POLICIES = ("hsm", "ism", "msm")
 
 _BIG = 1 << 60  # "infinity" in int64 tables; BIG + BIG + t still fits in int64
-_MAX_STEPS = 5_000_000  # beyond this, emitting the rows alone takes minutes
+_MAX_STEPS = 5_000_000  # beyond this the rows alone take gigabytes (about 5 rows per step)
 _MSM_BUDGET_S = 120.0  # refuse exact MSM tables estimated to take longer than this
 _NS_PER_CELL = 2e-9  # measured cost of one (t, m, y) candidate of the vectorised MSM DP
 
@@ -188,8 +188,12 @@ def _msm_tables(num_steps: int, memory: int, alpha: int, beta: int):
 _BASE = -2  # placeholder op/arg in leaf templates: "load the subproblem's base"
 
 
-@functools.lru_cache(maxsize=4096)
 def _leaf_template(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_build_leaf`, cached for the short leaves that recur (long ones are built once)."""
+    return _cached_leaf(kind, t) if t <= 1024 else _build_leaf(kind, t)
+
+
+def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of a regular leaf relative to base position 0 and slot 0, built vectorised.
 
     Returns ``(rows, slot_rows, base_rows)``: the ``(n, 3)`` rows, a mask of rows whose arg
@@ -242,6 +246,9 @@ def _leaf_template(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     for a in (rows, slot, base):
         a.setflags(write=False)
     return rows, slot, base
+
+
+_cached_leaf = functools.lru_cache(maxsize=2048)(_build_leaf)
 
 
 def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, tables) -> np.ndarray:
@@ -418,8 +425,9 @@ def plan(
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
     if t > _MAX_STEPS:
         raise ValueError(
-            f"{fn}: num_steps={t} would take minutes to unroll into a schedule (about "
-            f"{t * 4e-6 / 60:.0f} min, {10 * t} rows); plan at most {_MAX_STEPS} steps"
+            f"{fn}: num_steps={t} would unroll into about {5 * t} schedule rows "
+            f"(~{5 * t * 24 / 2**30:.1f} GiB); plan at most {_MAX_STEPS} steps, e.g. "
+            "by checkpointing chunks of the loop"
         )
     tables = None
     m_plan = m // alpha if policy == "ism" else m  # the paper's m for the recursion
