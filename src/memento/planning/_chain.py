@@ -100,28 +100,22 @@ def _tables(u: tuple[int, ...], s: tuple[int, ...], i: tuple[int, ...], budget: 
             best = np.full(width, quad, dtype=np.int64)
             ch = np.full(width, _NONE, dtype=np.int8)
             sp = np.zeros(width, dtype=np.int32)
-            ys = np.arange(1, t)  # hidden pushes
-            adv = (cum[x + ys] - cum[x])[:, None]
-            right = shifted(cost[x + ys, t - ys, :], s_arr[x + ys])
-            q = adv + right + cost[x, ys, :]
-            k = q.argmin(0)
-            v = q[k, es]
-            take = v < best
-            best = np.where(take, v, best)
-            ch[take] = _HID
-            sp[take] = k[take] + 1
-            ys = np.arange(1, t + 1)  # internal pushes of step p = x + y - 1
-            p = x + ys - 1
-            size = i_arr[p] - np.where(ys == 1, s_arr[x], 0)
-            adv = (cum[x + ys] - cum[x])[:, None]
-            right = shifted(cost[x + ys, t - ys, :], size)
-            q = adv + right + cost[x, ys - 1, :]
-            k = q.argmin(0)
-            v = q[k, es]
-            take = v < best
-            best = np.where(take, v, best)
-            ch[take] = _INT
-            sp[take] = k[take] + 1
+            for label in (_HID, _INT):
+                if label == _HID:  # hidden push at y: right part pays s_{x+y}
+                    ys = np.arange(1, t)
+                    size = s_arr[x + ys]
+                    left = cost[x, ys, :]
+                else:  # internal push of step p = x+y-1: i_p, less s_x when y = 1
+                    ys = np.arange(1, t + 1)
+                    size = i_arr[x + ys - 1] - np.where(ys == 1, s_arr[x], 0)
+                    left = cost[x, ys - 1, :]
+                q = (cum[x + ys] - cum[x])[:, None] + shifted(cost[x + ys, t - ys, :], size) + left
+                k = q.argmin(0)
+                v = q[k, es]
+                take = v < best
+                best = np.where(take, v, best)
+                ch[take] = label
+                sp[take] = k[take] + 1
             cost[x, t, :] = np.minimum(best, big)
             choice[x, t, :] = ch
             split[x, t, :] = sp
