@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memento
-from memento.planning import _closed, cost_table, plan, revolve_cost, simulate
+from memento.planning import Op, _closed, cost_table, plan, revolve_cost, simulate
 from memento.planning import _reference as ref
 
 MSM_PARAMS = [(1, 1), (2, 1), (2, 2), (3, 2), (5, 4), (5, 5), (4, 1)]
@@ -166,6 +166,8 @@ def test_every_plan_replays_on_a_grid():
             s = plan(t, m)
             _replays(s, m)
             assert s.cost == hsm[t][m]
+            saves = s.actions[s.actions[:, 0] == Op.SAVE_HIDDEN, 1]
+            assert saves.size == 0 or 0 <= saves.min() <= saves.max() <= m - 2  # h_0 is -1
             for alpha in (1, 2):
                 if m >= alpha:
                     s = plan(t, m, policy="ism", alpha=alpha)

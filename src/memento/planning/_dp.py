@@ -10,6 +10,15 @@ steps ``b .. b+t-1`` starting with the working state at ``h_b``, where ``h_b`` i
 ``m`` counts the base's slot plus the slots the subproblem may add (HSM, MSM; ISM counts
 internal slots only, the base being free). The plan is that recursion unrolled with an
 explicit stack (t may be 10^5: no Python recursion) into rows of ``_schedule.py``.
+
+Speed: HSM and ISM (and MSM with alpha = 1, which is ISM's recursion) have closed forms
+for C and for an optimal split (``_closed.py``), so planning costs O(number of split
+nodes) plus vectorised leaves. MSM with alpha >= 2 has neither: C(., m) is not convex in t
+and the set of optimal y is not an interval (checked against the oracle), so the exact
+table is filled in O(t^2 m), vectorised over (y, m). Optimality is within the paper's
+model, where a stored state is kept until its steps are back-propagated; a schedule that
+frees a state early (reload h_y, free it, keep an internal state in its room) can be
+cheaper for MSM, and the simulator accepts it (tests/planning/test_brute.py).
 """
 
 from __future__ import annotations
@@ -416,6 +425,12 @@ def plan(
         (24, 24)
         >>> memento.plan(1000, 50, policy="ism").cost_per_step
         1.95
+
+    Notes:
+        Planning time: HSM and ISM use closed forms (t = 100,000, m = 100 in tens of ms);
+        MSM with alpha = 1 too; MSM with alpha >= 2 fills the exact O(t^2 m) table
+        (about a second at t = 1,000, m = 200), and sizes estimated to take more than
+        two minutes are refused up front.
 
     References:
         A. Gruslys, R. Munos, I. Danihelka, M. Lanctot, A. Graves. Memory-Efficient
