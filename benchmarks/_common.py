@@ -1,0 +1,123 @@
+"""Helpers shared by the benchmarks: compile, measure memory and size, time, write JSON.
+
+The rules are those of DESIGN.md ("Measuring"): compile first, then take the median of
+at least five runs, each ended by ``jax.block_until_ready``. The machines are shared and
+noisy, so methods are timed round-robin (one run of each, then again) in one process and
+compared as ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A function compiled once for fixed arguments, with its static measurements.
+
+    Attributes:
+        call: runs the compiled executable on ``args``.
+        args: the arguments it was compiled for.
+        temp_bytes: XLA's temporary buffer size (``memory_analysis().temp_size_in_bytes``),
+            exact and deterministic on CPU.
+        argument_bytes, output_bytes: the sizes of the arguments and results.
+        hlo_lines: lines of the optimised HLO text, a measure of program size.
+        compile_s: seconds to lower and compile.
+    """
+
+    call: Callable[[], Any]
+    args: tuple
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    hlo_lines: int
+    compile_s: float
+
+
+def compile_fn(f: Callable, *args) -> Compiled:
+    """Jits, lowers and compiles ``f`` for ``args``, then runs it once (warm-up)."""
+    start = time.perf_counter()
+    compiled = jax.jit(f).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    jax.block_until_ready(compiled(*args))
+    return Compiled(
+        call=lambda: compiled(*args),
+        args=args,
+        temp_bytes=int(mem.temp_size_in_bytes),
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        hlo_lines=len(compiled.as_text().splitlines()),
+        compile_s=compile_s,
+    )
+
+
+def time_once(call: Callable[[], Any]) -> float:
+    """Seconds for one call, waiting for the results."""
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    return time.perf_counter() - start
+
+
+def time_round_robin(
+    calls: Mapping[str, Callable[[], Any]], *, repeats: int = 5, log: Callable | None = None
+) -> dict[str, list[float]]:
+    """Times every call ``repeats`` times, interleaved, so that load drifts hit all alike.
+
+    Args:
+        calls: name -> zero-argument function (already compiled and warmed up).
+        repeats: rounds; each round runs every call once, in a rotated order so that no
+            method always follows the same neighbour.
+        log: called with a short progress string after each round, if given.
+
+    Returns:
+        name -> the list of seconds, one per round.
+    """
+    if repeats < 1:
+        raise ValueError(f"time_round_robin: repeats must be >= 1, got {repeats}.")
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        shift = r % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            times[name].append(time_once(calls[name]))
+        if log is not None:
+            log(f"round {r + 1}/{repeats} done")
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Writes ``data`` as indented JSON, creating the folder; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def mib(num_bytes: float) -> float:
+    return num_bytes / 2**20
