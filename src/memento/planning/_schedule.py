@@ -45,6 +45,7 @@ every ``ys[p]`` once) and the rest in the backward pass.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -180,8 +181,10 @@ def simulate(s: Schedule) -> SimulationResult:
     cur: int | None = 0  # position of the working state; None when there is none
     hidden: dict[int, int] = {}  # slot -> position
     internal: dict[int, tuple[int, int]] = {}  # slot -> (step, size)
-    used = s.hidden_sizes[0] if (s.hidden_sizes is not None and s.counts_initial) else int(
-        s.counts_initial
+    used = (
+        s.hidden_sizes[0]
+        if (s.hidden_sizes is not None and s.counts_initial)
+        else int(s.counts_initial)
     )
     peak = used
     peak_h = peak_i = 0
@@ -193,21 +196,22 @@ def simulate(s: Schedule) -> SimulationResult:
     def fail(i: int, msg: str):
         raise ScheduleError(f"row {i} {tuple(int(v) for v in s.actions[i])}: {msg}")
 
+    # Positions held right now, counted so that each check is O(1): h_p in a hidden slot,
+    # or h_{p} as the output of an internal slot holding step p-1.
+    held: collections.Counter[int] = collections.Counter()
+
     def is_held(pos: int) -> bool:
-        return (
-            pos == 0
-            or pos in hidden.values()
-            or any(step == pos - 1 for step, _ in internal.values())
-        )
+        return pos == 0 or held[pos] > 0
 
     # An internal state stored at the reduced size relies on the state that holds its input;
     # freeing that state first would lose the input (section 3.4). slot -> input position.
     relies: dict[int, int] = {}
+    relied_on: collections.Counter[int] = collections.Counter()
 
-    def check_inputs(i: int) -> None:
-        for slot, pos in relies.items():
-            if not is_held(pos):
-                fail(i, f"frees h_{pos}, the input of internal slot {slot} stored without it")
+    def check_released(i: int, pos: int) -> None:
+        if relied_on[pos] and not is_held(pos):
+            slot = next(k for k, v in relies.items() if v == pos)
+            fail(i, f"frees h_{pos}, the input of internal slot {slot} stored without it")
 
     def internal_size(pos: int) -> int:
         # beta when the input state h_pos is held at this moment (section 3.4).
@@ -235,6 +239,7 @@ def simulate(s: Schedule) -> SimulationResult:
             if cur != pos or arg in hidden or arg < 0:
                 fail(i, f"cannot save h_{pos} in hidden slot {arg} (current {cur})")
             hidden[arg] = pos
+            held[pos] += 1
             used += _hidden_size(s, pos)
             peak_h = max(peak_h, len(hidden))
         elif op == Op.SAVE_INTERNAL:
@@ -243,7 +248,9 @@ def simulate(s: Schedule) -> SimulationResult:
             size = internal_size(pos)
             if size < internal_size_full(pos):
                 relies[arg] = pos
+                relied_on[pos] += 1
             internal[arg] = (pos, size)
+            held[pos + 1] += 1
             used += size
             peak_i = max(peak_i, len(internal))
             cur = pos + 1
@@ -259,14 +266,20 @@ def simulate(s: Schedule) -> SimulationResult:
             cur = pos
         elif op == Op.BACKWARD_INTERNAL:
             if arg not in internal or internal[arg][0] != pos or pos != expect:
-                fail(i, f"cannot back-propagate step {pos} from internal slot {arg}; "
-                     f"expected step {expect}")
+                fail(
+                    i,
+                    f"cannot back-propagate step {pos} from internal slot {arg}; "
+                    f"expected step {expect}",
+                )
             expect -= 1
             cur = None
         elif op == Op.BACKWARD_FUSED:
             if cur != pos or pos != expect:
-                fail(i, f"cannot back-propagate step {pos} fused (current {cur}, "
-                     f"expected step {expect})")
+                fail(
+                    i,
+                    f"cannot back-propagate step {pos} fused (current {cur}, "
+                    f"expected step {expect})",
+                )
             expect -= 1
             cur = None
             evals += 1 if s.forward_costs is None else s.forward_costs[pos]
@@ -274,14 +287,17 @@ def simulate(s: Schedule) -> SimulationResult:
             if hidden.get(arg) != pos:
                 fail(i, f"hidden slot {arg} does not hold h_{pos}")
             del hidden[arg]
+            held[pos] -= 1
             used -= _hidden_size(s, pos)
-            check_inputs(i)
+            check_released(i, pos)
         elif op == Op.FREE_INTERNAL:
             if arg not in internal or internal[arg][0] != pos:
                 fail(i, f"internal slot {arg} does not hold step {pos}")
             used -= internal.pop(arg)[1]
-            relies.pop(arg, None)
-            check_inputs(i)
+            held[pos + 1] -= 1
+            if arg in relies:
+                relied_on[relies.pop(arg)] -= 1
+            check_released(i, pos + 1)
         else:
             fail(i, f"unknown op {op}")
         if in_sweep:
