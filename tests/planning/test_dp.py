@@ -1,5 +1,6 @@
 """plan / cost_table: closed forms and DP against the textbook oracle, replayed schedules."""
 
+import math
 import subprocess
 import sys
 from math import comb
@@ -276,3 +277,19 @@ def test_planning_does_not_import_jax():
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_paper_upper_bounds_hold():
+    # Appendix B, Proposition 1: C(t, m) <= m t^(1 + 1/m); section 3.5: C(t, m) <
+    # 4 t^(1 + 1/m) for t < 10^5, m < 10^3 (checked numerically in the paper).
+    for t in [1, 2, 3, 7, 50, 999, 12_345, 99_999]:
+        for m in [1, 2, 3, 5, 10, 100, 999]:
+            c = _closed.hsm_cost(t, m)
+            assert c <= m * t ** (1 + 1 / m) + 1e-9
+            assert c < 4 * t ** (1 + 1 / m)
+    # Appendix B.2: C(t, m) <= (a + 1) t whenever t <= m^a / a!.
+    for m in [2, 5, 10, 40]:
+        for a in [1, 2, 3]:
+            t = m**a // math.factorial(a)
+            if t >= 1:
+                assert _closed.hsm_cost(t, m) <= (a + 1) * t
