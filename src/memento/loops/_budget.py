@@ -10,6 +10,7 @@ from typing import Literal
 
 from .. import planning
 from ..planning import Schedule
+from ..planning._dp import _msm_estimate_s as msm_estimate_s
 
 Policy = Literal["auto", "hsm", "ism", "msm"]
 POLICIES = ("auto", "hsm", "ism", "msm")
@@ -107,9 +108,9 @@ def allocated_slots(schedule: Schedule, alpha: int) -> int:
     return 1 + n_h + alpha * n_i
 
 
-# Above this many (steps x slots) cells, the MSM DP is skipped by "auto": HSM and ISM
-# have fast closed forms, MSM has a table.
-_MSM_AUTO_CELLS = 4_000_000
+# "auto" skips MSM when its exact table is estimated to take longer than this to plan:
+# HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
+_MSM_AUTO_SECONDS = 1.0
 
 
 def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> Schedule:
@@ -135,7 +136,7 @@ def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name
     candidates = [_plan(num_steps, slots, "hsm", None)]
     if slots >= alpha:
         candidates.append(_plan(num_steps, slots, "ism", alpha))
-    if alpha > 1 and num_steps * slots <= _MSM_AUTO_CELLS:
+    if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
         msm = _plan(num_steps, slots, "msm", alpha)
         if allocated_slots(msm, alpha) <= slots:
             candidates.append(msm)
