@@ -1,5 +1,9 @@
 """The schedule interpreter shared by `memento.scan` and `memento.while_loop`.
 
+`memento.scan` runs a `Program` (below); `memento.while_loop` plans at run time, once the
+number of steps is known, and runs the same building blocks (`advance_steps`,
+`load_hidden`, `apply_pullback`, the slot reads and writes) from its own loop.
+
 A schedule (see `memento.planning`) is turned into a `Program`: small integer arrays that
 the compiled code reads as data. The program size therefore does not depend on the number
 of steps: the body is traced once for each kind of work (primal step, step with residuals,
@@ -170,6 +174,34 @@ def _x_at(xs, p):
 
 
 # ----------------------------------------------------------------------------------------
+# Building blocks shared with `memento.while_loop`, whose plan is made at run time.
+
+
+def advance_steps(body: Body, consts, c, xs, pos, count):
+    """``count`` primal steps from the state ``c = h_pos`` (both may be traced values)."""
+
+    def one(i, c):
+        return body(consts, c, _x_at(xs, pos + i))[0]
+
+    return lax.fori_loop(0, count, one, c)
+
+
+def load_hidden(hidden, init, slot):
+    """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
+
+    Reads the buffers outside any conditional (see `run_backward`): a ``where`` picks.
+    """
+    stored = _read(hidden, slot) if hidden else init
+    return [jnp.where(slot < 0, a, b) for a, b in zip(init, stored)]
+
+
+def apply_pullback(pullback, ct_c, ct_y):
+    """``(ct_consts_f, ct_carry_f, ct_x_f)`` of one step from its pullback (float leaves)."""
+    d_k, d_c, d_x = pullback((list(ct_c), list(ct_y)))
+    return list(d_k), list(d_c), list(d_x)
+
+
+# ----------------------------------------------------------------------------------------
 # The forward pass: the first sweep
 
 
@@ -256,23 +288,20 @@ def run_backward(
     LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
 
     def advance(c, loaded_h, loaded_i, arg, pos):
-        def one(i, c):
-            return body(consts, c, _x_at(xs, pos + i))[0]
-
-        return lax.fori_loop(0, arg, one, c)
+        return advance_steps(body, consts, c, xs, pos, arg)
 
     def keep(c, loaded_h, loaded_i, arg, pos):
         return c
 
-    def load_hidden(c, loaded_h, loaded_i, arg, pos):
+    def take_hidden(c, loaded_h, loaded_i, arg, pos):
         return loaded_h
 
-    def load_internal(c, loaded_h, loaded_i, arg, pos):
+    def take_internal(c, loaded_h, loaded_i, arg, pos):
         return loaded_i
 
     # switch index per primal branch: ADVANCE, SAVE_H, SAVE_I, LOAD_H, LOAD_I
     switch_of = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)
-    switch_branches = (advance, keep, load_hidden, load_internal)
+    switch_branches = (advance, keep, take_hidden, take_internal)
 
     def save_internal(c, internal, arg, pos):
         c_new, _, res = body.save(spec, consts, c, _x_at(xs, pos))
@@ -298,8 +327,7 @@ def run_backward(
                 hidden = _write(hidden, arg, c, branch == SAVE_H)
             loaded_h = loaded_i = c
             if LOAD_H in rows_ops:
-                stored = _read(hidden, arg) if hidden else init
-                loaded_h = [jnp.where(arg < 0, a, b) for a, b in zip(init, stored)]
+                loaded_h = load_hidden(hidden, init, arg)
             if LOAD_I in rows_ops:
                 loaded_i = _read(internal, arg)[n_stored:]
             c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
@@ -316,9 +344,7 @@ def run_backward(
         stored = _read(slots.internal, slot)[:n_stored]
         return body.restore(spec, stored, consts, _x_at(xs, p))
 
-    def apply(pullback, ct_c, ct_y):
-        d_k, d_c, d_x = pullback((list(ct_c), list(ct_y)))
-        return list(d_k), list(d_c), list(d_x)
+    apply = apply_pullback
 
     def backward_step(make_pullback, c, slots, slot, p, ct_c, ct_k, ct_xs):
         ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
