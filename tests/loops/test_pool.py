@@ -1,0 +1,59 @@
+"""The byte pool: exact round trips for every dtype, stack offsets within the budget."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memento
+from memento.loops import _pool
+
+
+def test_pack_unpack_round_trip_every_dtype():
+    with jax.enable_x64(True):
+        leaves = [
+            jnp.arange(6, dtype=jnp.float64).reshape(2, 3) / 7,
+            jnp.array([1.5, -2.25], jnp.bfloat16),
+            jnp.array([[1, -2]], jnp.int32),
+            jnp.array([True, False, True]),
+            jnp.array(3, jnp.uint8),
+            jnp.array([0.1], jnp.float32),
+        ]
+        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        size = sum(x.size * x.dtype.itemsize for x in leaves)
+        block = _pool.pack(leaves, units=_pool.units_for(size, 16), unit_bytes=16)
+        assert block.dtype == np.uint8 and block.shape == (5, 16)  # 68 bytes
+        for a, b in zip(leaves, _pool.unpack(block, avals)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_write_read_masked():
+    pool = jnp.zeros((5, 8), jnp.uint8)
+    leaf = [jnp.array([1.0, 2.0], jnp.float32)]
+    aval = [jax.ShapeDtypeStruct((2,), jnp.float32)]
+    pool = _pool.write(pool, 3, leaf, 1)
+    pool = _pool.write(pool, 1, [leaf[0] * 9], 1, when=False)
+    np.testing.assert_array_equal(_pool.read(pool, 3, aval, 1)[0], leaf[0])
+    np.testing.assert_array_equal(_pool.read(pool, 1, aval, 1)[0], np.zeros(2))
+
+
+@pytest.mark.parametrize("policy,alpha", [("hsm", None), ("ism", 3), ("msm", 3), ("msm", 8)])
+@pytest.mark.parametrize("steps,memory", [(1, 8), (40, 8), (97, 24), (300, 60)])
+def test_stack_offsets_fit_the_budget(policy, alpha, steps, memory):
+    schedule = memento.plan(steps, memory, policy=policy, alpha=alpha)
+    rows, units = _pool.stack_offsets(schedule, alpha or 1)
+    # h_0 is the caller's input, not in the pool; HSM and MSM count it in the budget.
+    assert units <= memory - int(schedule.counts_initial)
+    assert not np.isin(rows[:, 0], (memento.Op.FREE_HIDDEN, memento.Op.FREE_INTERNAL)).any()
+
+
+def test_out_of_stack_order_is_refused():
+    Op = memento.Op
+    rows = [
+        (Op.SAVE_HIDDEN, 0, 0), (Op.ADVANCE, 1, 0), (Op.SAVE_HIDDEN, 1, 1),
+        (Op.FREE_HIDDEN, 0, 0), (Op.ADVANCE, 1, 1), (Op.BACKWARD_FUSED, 0, 2),
+    ]  # fmt: skip
+    schedule = memento.Schedule(3, 9, "x", 0, np.array(rows))
+    with pytest.raises(ValueError, match="out of stack order"):
+        _pool.stack_offsets(schedule, 1)
