@@ -2,3 +2,4 @@
 
 from ._budget import bytes_budget as bytes_budget
 from ._scan import scan as scan
+from ._while import while_loop as while_loop
