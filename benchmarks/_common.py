@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,8 @@ class Compiled:
             exact and deterministic on CPU.
         argument_bytes, output_bytes: the sizes of the arguments and results.
         hlo_lines: lines of the optimised HLO text, a measure of program size.
+        hlo_body: its computations only, without source names and lines, to tell
+            whether two functions compiled to the same program.
         compile_s: seconds to lower and compile.
     """
 
@@ -42,6 +45,7 @@ class Compiled:
     argument_bytes: int
     output_bytes: int
     hlo_lines: int
+    hlo_body: str
     compile_s: float
 
 
@@ -52,6 +56,7 @@ def compile_fn(f: Callable, *args) -> Compiled:
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     first_output = jax.block_until_ready(compiled(*args))
+    hlo = compiled.as_text()
     return Compiled(
         call=lambda: compiled(*args),
         args=args,
@@ -59,7 +64,8 @@ def compile_fn(f: Callable, *args) -> Compiled:
         temp_bytes=int(mem.temp_size_in_bytes),
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
-        hlo_lines=len(compiled.as_text().splitlines()),
+        hlo_lines=len(hlo.splitlines()),
+        hlo_body=_program(hlo),
         compile_s=compile_s,
     )
 
@@ -82,6 +88,12 @@ def use_one_thread() -> None:
         raise RuntimeError("use_one_thread: JAX's backends are already initialised.")
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_FLAGS}".strip()
+
+
+def _program(hlo: str) -> str:
+    """The computations of an HLO text, without names of sources (files, lines, frames)."""
+    start = min((i for i in (hlo.find("\n%"), hlo.find("\nENTRY")) if i >= 0), default=0)
+    return re.sub(r",? ?(metadata|stack_frame_id)=(\{[^}]*\}|\d+)", "", hlo[start:])
 
 
 def time_once(call: Callable[[], Any]) -> float:
