@@ -219,17 +219,25 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     n_sweep = t - 1 if prog.fused_last else t
     has_internal = prog.sweep_saves_internal
 
+    def save_step(c, internal, x, si):
+        c_new, y, res = body.save(spec, consts, c, x)
+        extra = c_new if prog.loads_internal else []
+        return c_new, y, _write(internal, si, res + extra)
+
+    def primal_step(c, internal, x, si):
+        c_new, y = body(consts, c, x)
+        return c_new, y, internal
+
     def step(state, inp):
         c, slots = state
         x, sh, si = inp
         hidden = _write(slots.hidden, sh, c, sh >= 0) if prog.sweep_saves_hidden else slots.hidden
-        internal = slots.internal
         if has_internal:
-            c_new, y, res = body.save(spec, consts, c, x)
-            extra = c_new if prog.loads_internal else []
-            internal = _write(internal, si, res + extra, si >= 0)
+            # Write-or-identity: the buffer stays in place, and steps that store nothing
+            # run the primal only.
+            c_new, y, internal = lax.cond(si >= 0, save_step, primal_step, c, slots.internal, x, si)
         else:
-            c_new, y = body(consts, c, x)
+            c_new, y, internal = primal_step(c, slots.internal, x, si)
         return (c_new, Slots(hidden, internal)), y
 
     head = [x[:n_sweep] for x in xs]
@@ -257,16 +265,31 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
 
 
 def run_backward(
-    prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, slots, working, ct_carry, ct_ys
+    prog: Program,
+    body: Body,
+    spec: ResidualSpec,
+    consts,
+    init,
+    xs,
+    slots,
+    working,
+    ct_carry,
+    ct_ys,
+    *,
+    need_consts=None,
+    need_xs=None,
 ):
     """Back-propagates through all steps following the program.
 
     Args:
         ct_carry: cotangent of the final carry (float leaves only).
         ct_ys: cotangents of the stacked outputs (float leaves only).
+        need_consts, need_xs: which float leaves of consts and xs need a cotangent
+            (default all). The others are neither accumulated nor stored: a cotangent of
+            ``xs`` alone is as large as ``xs``.
 
     Returns:
-        ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only.
+        ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only; ``None`` where not needed.
     """
     t = prog.num_steps
     kf, _ = split(consts, body.const_mask)
@@ -349,6 +372,8 @@ def run_backward(
     def backward_step(make_pullback, c, slots, slot, p, ct_c, ct_k, ct_xs):
         ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
         d_k, d_c, d_x = make_pullback(c, slots, slot, p, ct_c, ct_y)
+        d_k = [d for d, n in zip(d_k, need_k) if n]  # the rest is dead code for XLA
+        d_x = [d for d, n in zip(d_x, need_x) if n]
         ct_k = [a + b for a, b in zip(ct_k, d_k)]
         ct_xs = [
             lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
@@ -369,8 +394,10 @@ def run_backward(
 
         return bw
 
-    ct_k0 = [jnp.zeros_like(k) for k in kf]
-    ct_xs0 = [jnp.zeros_like(x) for x in xs_f]
+    need_k = list(need_consts) if need_consts is not None else [True] * len(kf)
+    need_x = list(need_xs) if need_xs is not None else [True] * len(xs_f)
+    ct_k0 = [jnp.zeros_like(k) for k, n in zip(kf, need_k) if n]
+    ct_xs0 = [jnp.zeros_like(x) for x, n in zip(xs_f, need_x) if n]
 
     # The first backward: step t-1, from the working state or from its internal slot.
     if prog.fused_last:
@@ -405,4 +432,9 @@ def run_backward(
     if t > 1:
         state = lax.while_loop(outer_cond, outer_body, state)
     _, _, _, ct_c, ct_k, ct_xs = state
-    return ct_k, ct_c, ct_xs
+    ct_k, ct_xs = iter(ct_k), iter(ct_xs)
+    return (
+        [next(ct_k) if n else None for n in need_k],
+        ct_c,
+        [next(ct_xs) if n else None for n in need_x],
+    )

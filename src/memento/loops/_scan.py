@@ -8,10 +8,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ..planning import Schedule
-from ._body import Body, ResidualSpec, float0_zeros, make_body, merge, nbytes, split
+from ._body import Body, ResidualSpec, make_body, merge, nbytes, split
 from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
 from ._interpreter import Program, compile_schedule, run_backward, run_sweep
 
@@ -143,6 +145,17 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule)
 
 
+def _instantiate(cts, likes):
+    """Cotangents with symbolic zeros made concrete (float leaves) or left as they are."""
+    out = []
+    for ct, like in zip(cts, likes):
+        if isinstance(ct, SymbolicZero):
+            dtype = jnp.result_type(like)
+            ct = jnp.zeros(np.shape(like), dtype) if jnp.issubdtype(dtype, jnp.inexact) else ct
+        out.append(ct)
+    return out
+
+
 def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
     """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
 
@@ -154,26 +167,34 @@ def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
         return lax.scan(step, init, xs, length=prog.num_steps, unroll=unroll)
 
     def fwd(consts, init, xs):
+        # symbolic_zeros: each argument comes with whether it is perturbed, i.e. needs a
+        # cotangent. The flags travel to bwd as pytree structure (None or ()).
+        need_k = [() if a.perturbed else None for a, f in zip(consts, body.const_mask) if f]
+        need_x = [() if a.perturbed else None for a, f in zip(xs, body.x_mask) if f]
+        consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
         c, ys, slots, working = run_sweep(prog, body, spec, consts, init, xs, unroll=unroll)
-        return (c, ys), (consts, init, xs, slots, working)
+        return (c, ys), (consts, init, xs, slots, working, need_k, need_x)
 
     def bwd(res, cts):
-        consts, init, xs, slots, working = res
-        ct_c, ct_ys = cts
+        consts, init, xs, slots, working, need_k, need_x = res
+        ct_c, ct_ys = (_instantiate(ct, like) for ct, like in zip(cts, (init, _ys_like(xs))))
         ct_c_f, _ = split(ct_c, body.carry_mask)
         ct_ys_f, _ = split(ct_ys, body.y_mask)
         ct_k, ct_init, ct_xs = run_backward(
-            prog, body, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
-        )
-        _, k_int = split(consts, body.const_mask)
-        _, c_int = split(init, body.carry_mask)
-        x_mask = [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]
-        _, x_int = split(xs, x_mask)
+            prog, body, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f,
+            need_consts=[n is not None for n in need_k],
+            need_xs=[n is not None for n in need_x],
+        )  # fmt: skip
+        x_mask = body.x_mask
+        # None is a zero cotangent for custom_vjp: integer leaves and unneeded ones.
         return (
-            merge(ct_k, [float0_zeros(k) for k in k_int], body.const_mask),
-            merge(ct_init, [float0_zeros(c) for c in c_int], body.carry_mask),
-            merge(ct_xs, [float0_zeros(x) for x in x_int], x_mask),
+            merge(ct_k, [None] * (len(consts) - len(ct_k)), body.const_mask),
+            merge(ct_init, [None] * (len(init) - len(ct_init)), body.carry_mask),
+            merge(ct_xs, [None] * (len(xs) - len(ct_xs)), x_mask),
         )
 
-    run.defvjp(fwd, bwd)
+    def _ys_like(xs):
+        return [jax.ShapeDtypeStruct((prog.num_steps, *a.shape), a.dtype) for a in body.y_avals]
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
