@@ -2,9 +2,10 @@
 
 A second transformer (eta) scores each training sequence; its weight in (0, 2) scales
 that sequence's next-token loss in the inner loop. Half the training sequences here are
-noise; the meta-gradient teaches eta to weigh them down, because they do not help the
-validation loss. eta appears only inside the inner loss, so its meta-gradient is made
-of mixed second derivatives d2L/(dtheta deta), computed forward-over-reverse.
+noise, which does not help the validation loss; the script prints the mean weight of
+clean and of noise sequences as meta-training goes. eta appears only inside the inner
+loss, so its meta-gradient is made of mixed second derivatives d2L/(dtheta deta),
+computed forward-over-reverse.
 
     python examples/loss_weighting.py [--outer-steps 20]
 """
@@ -51,6 +52,8 @@ def main():
     args = parser.parse_args()
     theta0 = tfm.init_params(jax.random.PRNGKey(0), CONFIG)
     eta = tfm.init_params(jax.random.PRNGKey(2), CONFIG)
+    # A zero output head makes every weight start at exactly 1.
+    eta["head"] = jnp.zeros_like(eta["head"])
     outer = optax.adam(1e-2)
     state = outer.init(eta)
     step = jax.jit(jax.value_and_grad(meta_loss))
