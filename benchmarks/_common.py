@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -145,6 +146,26 @@ def machine() -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "git": git_state(),
+    }
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured, and the library files that differed from it (if any)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, check=True
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    changed = git("status", "--porcelain", "--", "src")
+    return {
+        "commit": git("rev-parse", "HEAD").strip(),
+        "uncommitted_src": [line[3:] for line in changed.splitlines()],
     }
 
 
