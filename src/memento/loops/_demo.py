@@ -127,9 +127,10 @@ def _measure(loss: Callable, args: Sequence, repeats: int) -> dict[str, Any]:
         start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
+    analysis = compiled.memory_analysis()  # None only on backends without it
     return {
         "grad": value,
-        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "temp_bytes": analysis.temp_size_in_bytes if analysis is not None else 0,
         "time_s": statistics.median(times),
     }
 
@@ -201,7 +202,7 @@ def main(args) -> int:
     reference = rows[0][1]
 
     header = ("method", "memory", "time", "fwd evals/step", "grad error")
-    table = [header]
+    table: list[tuple[str, ...]] = [header]
     for label, m, evaluations in rows:
         table.append(
             (
