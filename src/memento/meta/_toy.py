@@ -24,25 +24,33 @@ from ._bilevel import inner_loop
 
 LEARNING_RATE = 1e-3
 
-# name -> (how the inner gradient is taken, per-step remat with saved inner gradients)
+# name -> (how the inner gradient is taken, per-step remat with saved inner gradients,
+#          block remat: jax.checkpoint on each map i of Eq. 9)
 IMPLEMENTATIONS = {
     # The default autodiff implementation (Algorithm 1): jax.grad of jax.grad.
-    "default": ("revrev", False),
+    "default": ("revrev", False, False),
+    # The default with block remat too, to show what remat alone buys it.
+    "default+block": ("revrev", False, True),
     # A transcription of the paper's Listing 1 idea: a custom VJP that differentiates the
     # gradient w.r.t. *every* argument, the inner batch included.
-    "listing": ("listing", False),
-    # memento's API: inner_loop with fwdrev_grad, without and with section 4's remat.
-    "memento": ("fwdrev", False),
-    "memento+remat": ("fwdrev", True),
+    "listing": ("listing", False, False),
+    # memento's API: inner_loop with fwdrev_grad, without and with section 4's per-step
+    # remat (saving inner gradients), then also with block remat of the map.
+    "memento": ("fwdrev", False, False),
+    "memento+remat": ("fwdrev", True, False),
+    "memento+remat+block": ("fwdrev", True, True),
 }
 
 
-def toy_apply(theta, x, num_maps: int, variant: str):
-    """The inner model of Eq. 9."""
+def toy_apply(theta, x, num_maps: int, variant: str, block_remat: bool = False):
+    """The inner model of Eq. 9; `block_remat` checkpoints each map (section 4)."""
     y = x @ theta
 
     def f(y, i):
         return i * (2.0 + jnp.sin(y)) ** jnp.cos(y), None
+
+    if block_remat:
+        f = jax.checkpoint(f)
 
     if variant == "unrolled":
         for i in range(1, num_maps + 1):
@@ -71,14 +79,14 @@ def make_toy_task(
         batch, dim, num_steps: B, D and T.
         seed: For the synthetic data.
     """
-    how, remat = IMPLEMENTATIONS[implementation]
+    how, remat, block_remat = IMPLEMENTATIONS[implementation]
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     eta = jax.random.normal(k1, (dim, dim)) / jnp.sqrt(dim)
     xs, targets = jax.random.normal(k2, (2, num_steps, batch, dim))
     val_x, val_target = jax.random.normal(k3, (2, batch, dim))
 
     def loss(theta, x, target):
-        return jnp.mean((toy_apply(theta, x, num_maps, variant) - target) ** 2)
+        return jnp.mean((toy_apply(theta, x, num_maps, variant, block_remat) - target) ** 2)
 
     def inner_loss(theta, _eta, batch):
         return loss(theta, *batch)
