@@ -112,8 +112,13 @@ def test_unbounded_data_dependent_stop_and_vjp():
     out, pull = jax.vjp(ours, w, b)
     assert_close(out, solve(plain, w, b))
     # The number of steps taken, for the unrolled reference.
-    n = int(lax.while_loop(lambda s: s[2] > 1e-10, lambda s: (s[0] + 1, cell(w, b, s[1]),
-            jnp.max(jnp.abs(cell(w, b, s[1]) - s[1]))), (0, h0, jnp.float64(1.0)))[0])
+    n = int(
+        lax.while_loop(
+            lambda s: s[2] > 1e-10,
+            lambda s: (s[0] + 1, cell(w, b, s[1]), jnp.max(jnp.abs(cell(w, b, s[1]) - s[1]))),
+            (0, h0, jnp.float64(1.0)),
+        )[0]
+    )
 
     def unrolled(w, b):
         h = h0
@@ -289,9 +294,9 @@ def test_bad_input(kwargs, exc, pattern):
 
 def test_bad_body_and_predicate():
     _, _, h0 = params()
-    with pytest.raises(TypeError, match="memento.while_loop: the body changes a carry leaf"):
+    with pytest.raises(TypeError, match=r"memento\.while_loop: the body changes a carry leaf"):
         memento.while_loop(lambda h: h[0] < 1, lambda h: h.astype(jnp.float32), h0, memory=2)
-    with pytest.raises(TypeError, match="memento.while_loop: the body's output carry has"):
+    with pytest.raises(TypeError, match=r"memento\.while_loop: the body's output carry has"):
         memento.while_loop(lambda h: h[0] < 1, lambda h: (h, h), h0, memory=2)
     with pytest.raises(TypeError, match="cond_fun must return a scalar bool"):
         memento.while_loop(lambda h: h < 1, jnp.cos, h0, memory=2)
@@ -300,4 +305,6 @@ def test_bad_body_and_predicate():
 def test_jvp_raises():
     _, _, h0 = params()
     with pytest.raises(TypeError):
-        jax.jvp(lambda h: memento.while_loop(lambda h: h[0] < 1, jnp.cos, h, memory=2), (h0,), (h0,))
+        jax.jvp(
+            lambda h: memento.while_loop(lambda h: h[0] < 1, jnp.cos, h, memory=2), (h0,), (h0,)
+        )

@@ -113,7 +113,9 @@ def while_loop(
     body, _ = make_body(as_step, init, None, name=_NAME)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, body)
 
-    slots = (steps + 1) if budget is None else to_slots(budget, nbytes(body.carry_avals), name=_NAME)
+    slots = (
+        (steps + 1) if budget is None else to_slots(budget, nbytes(body.carry_avals), name=_NAME)
+    )
     if steps is not None:
         slots = min(slots, steps + 1)  # more than one slot per carry is never used
     store_all = steps is not None and slots == steps + 1
@@ -185,7 +187,7 @@ def hsm_split_device(t, m):
     s = t - 2
 
     def cond(state):
-        w, v = state
+        _w, v = state
         return v - 2 < s
 
     def step(state):
@@ -326,9 +328,11 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
         return jnp.argmin(jnp.any(in_use, axis=0)).astype(jnp.int32)
 
     def push_cond(state):
-        e, hidden, stack_pos, stack_slot, depth = state
+        e, _hidden, stack_pos, _stack_slot, depth = state
         t = e - stack_pos[depth] + 1
-        return (t >= 2) & (slots - depth >= 2)
+        # e >= 0: under vmap a member that is done keeps running this loop (its results
+        # discarded) until the last member is; it must not push.
+        return (e >= 0) & (t >= 2) & (slots - depth >= 2)
 
     def push(state):
         e, hidden, stack_pos, stack_slot, depth = state
@@ -346,7 +350,7 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
     def step(state):
         e, hidden, stack_pos, stack_slot, depth, ct_c, ct_k = state
         # Pop the carry whose step was the last back-propagated.
-        depth = jnp.where(stack_pos[depth] > e, depth - 1, depth)
+        depth = jnp.where((stack_pos[depth] > e) & (depth > 0), depth - 1, depth)
         if num_slots:
             _, hidden, stack_pos, stack_slot, depth = lax.while_loop(
                 push_cond, push, (e, hidden, stack_pos, stack_slot, depth)
@@ -359,7 +363,14 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
         ct_k = [a + d for a, d in zip(ct_k, d_k)]
         return e - 1, hidden, stack_pos, stack_slot, depth, ct_c, ct_k
 
-    state = (n - 1, hidden, stack_pos, stack_slot, depth, list(ct_c), [jnp.zeros_like(k) for k in kf])
+    state = (
+        n - 1,
+        hidden,
+        stack_pos,
+        stack_slot,
+        depth,
+        list(ct_c),
+        [jnp.zeros_like(k) for k in kf],
+    )
     state = lax.while_loop(lambda s: s[0] >= 0, step, state)
     return state[6], state[5]
-
