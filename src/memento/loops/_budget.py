@@ -98,16 +98,6 @@ def _plan(num_steps: int, memory: int, policy: str, alpha: int | None) -> Schedu
     return planning.plan(num_steps, memory, policy=policy, alpha=alpha)
 
 
-def allocated_slots(schedule: Schedule, alpha: int) -> int:
-    """Slots the executor allocates for ``schedule``: h_0, hidden and internal buffers."""
-    rows = schedule.actions
-    saves_h = rows[rows[:, 0] == planning.Op.SAVE_HIDDEN][:, 1]
-    saves_i = rows[rows[:, 0] == planning.Op.SAVE_INTERNAL][:, 1]
-    n_h = int(saves_h.max()) + 1 if len(saves_h) else 0
-    n_i = int(saves_i.max()) + 1 if len(saves_i) else 0
-    return 1 + n_h + alpha * n_i
-
-
 # "auto" skips MSM when its exact table is estimated to take longer than this to plan:
 # HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
 _MSM_AUTO_SECONDS = 1.0
@@ -116,8 +106,8 @@ _MSM_AUTO_SECONDS = 1.0
 def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> Schedule:
     """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
-    ``"auto"`` takes the cheapest of HSM, ISM and MSM whose buffers, as the executor
-    allocates them (hidden and internal slots separately, plus ``h_0``), fit the budget.
+    ``"auto"`` takes the cheapest of HSM, ISM and MSM. All three fit the budget exactly:
+    the executor stores every state in one stack-allocated pool (see `_pool`).
     """
     if policy not in POLICIES:
         raise ValueError(f"{name}: policy must be one of {POLICIES}, got {policy!r}.")
@@ -137,7 +127,5 @@ def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name
     if slots >= alpha:
         candidates.append(_plan(num_steps, slots, "ism", alpha))
     if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
-        msm = _plan(num_steps, slots, "msm", alpha)
-        if allocated_slots(msm, alpha) <= slots:
-            candidates.append(msm)
-    return min(candidates, key=lambda s: (s.cost, allocated_slots(s, alpha)))
+        candidates.append(_plan(num_steps, slots, "msm", alpha))
+    return min(candidates, key=lambda s: (s.cost, s.peak_memory))

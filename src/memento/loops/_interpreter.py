@@ -24,6 +24,7 @@ for internal states.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ import numpy as np
 from jax import lax
 
 from ..planning import Op, Schedule
-from ._body import Body, ResidualSpec, split
+from . import _pool
+from ._body import Body, ResidualSpec, nbytes, split
 
 # Indices of the primal branches of the inner switch.
 _PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
@@ -54,7 +56,9 @@ class Program:
         segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
             ``[segment_end[k-1], segment_end[k])`` run before it.
         backward_rows: ``(t, 2)``: (fused?, internal slot) of the k-th backward.
-        num_hidden, num_internal: slots to allocate.
+        pool_units: size of the slot pool, in carry-sized units (see `_pool`); slot
+            arguments of all rows are unit offsets into it.
+        internal_units: units an internal state takes (the paper's alpha).
         loads_internal: whether the internal slots must also hold the output carry.
     """
 
@@ -65,8 +69,8 @@ class Program:
     primal_rows: np.ndarray
     segment_end: np.ndarray
     backward_rows: np.ndarray
-    num_hidden: int
-    num_internal: int
+    pool_units: int
+    internal_units: int
     loads_internal: bool
 
     @property
@@ -88,11 +92,16 @@ class Program:
         return bool((self.save_hidden >= 0).any())
 
 
-def compile_schedule(schedule: Schedule) -> Program:
-    """Turns a schedule into a `Program`; the schedule is replayed (checked) first."""
+def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
+    """Turns a schedule into a `Program`; the schedule is replayed (checked) first.
+
+    Args:
+        schedule: a schedule whose slots are used as a stack (the planner's are).
+        internal_units: carry-sized units an internal state takes in the pool.
+    """
     schedule.simulate()
     t = schedule.num_steps
-    rows = schedule.executable()
+    rows, pool_units = _pool.stack_offsets(schedule, internal_units)
     is_bw = np.isin(rows[:, 0], (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL))
     first_bw = int(np.argmax(is_bw))
     sweep, rest = rows[:first_bw], rows[first_bw:]
@@ -112,8 +121,6 @@ def compile_schedule(schedule: Schedule) -> Program:
     segment_end = np.cumsum(~bw_mask)[bw_mask].astype(np.int32)
     primal_rows = np.stack([_BRANCH[prim[:, 0]], prim[:, 1], prim[:, 2]], axis=1).astype(np.int32)
     backward_rows = np.stack([bw[:, 0] == Op.BACKWARD_FUSED, bw[:, 1]], axis=1).astype(np.int32)
-    saves_h = rows[rows[:, 0] == Op.SAVE_HIDDEN]
-    saves_i = rows[rows[:, 0] == Op.SAVE_INTERNAL]
     return Program(
         num_steps=t,
         save_hidden=save_hidden,
@@ -122,8 +129,8 @@ def compile_schedule(schedule: Schedule) -> Program:
         primal_rows=primal_rows.reshape(-1, 3),
         segment_end=segment_end,
         backward_rows=backward_rows,
-        num_hidden=int(saves_h[:, 1].max()) + 1 if len(saves_h) else 0,
-        num_internal=int(saves_i[:, 1].max()) + 1 if len(saves_i) else 0,
+        pool_units=pool_units,
+        internal_units=internal_units,
         loads_internal=bool((rows[:, 0] == Op.LOAD_INTERNAL).any()),
     )
 
@@ -134,23 +141,54 @@ def compile_schedule(schedule: Schedule) -> Program:
 
 @dataclasses.dataclass
 class Slots:
-    """Hidden and internal slot buffers (lists of arrays with a leading slot axis)."""
+    """The slot pool: ``uint8[units, unit_bytes]``, one unit per carry (see `_pool`).
 
-    hidden: list
-    internal: list  # stored residual leaves, then (if loads_internal) output carry leaves
+    Hidden states take one unit, internal states (stored residuals, then the output carry
+    when the schedule loads it) ``internal_units``; offsets come from the program's rows.
+    """
+
+    pool: Any
 
     @staticmethod
-    def allocate(prog: Program, body: Body, spec: ResidualSpec) -> Slots:
-        def buf(n, aval):
-            return jnp.zeros((n, *aval.shape), aval.dtype)
-
-        hidden = [buf(prog.num_hidden, a) for a in body.carry_avals] if prog.num_hidden else []
-        internal_avals = list(spec.stored) + (list(body.carry_avals) if prog.loads_internal else [])
-        internal = [buf(prog.num_internal, a) for a in internal_avals] if prog.num_internal else []
-        return Slots(hidden, internal)
+    def allocate(prog: Program, body: Body) -> Slots:
+        return Slots(_pool.allocate(prog.pool_units, unit_bytes(body)))
 
 
-jax.tree_util.register_dataclass(Slots, data_fields=["hidden", "internal"], meta_fields=[])
+def unit_bytes(body: Body) -> int:
+    return max(nbytes(body.carry_avals), 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layout:
+    """How states are laid out in the pool for one body and program."""
+
+    carry_avals: tuple
+    internal_avals: tuple
+    unit_bytes: int
+
+    @staticmethod
+    def of(prog: Program, body: Body, spec: ResidualSpec) -> _Layout:
+        extra = tuple(body.carry_avals) if prog.loads_internal else ()
+        return _Layout(tuple(body.carry_avals), tuple(spec.stored) + extra, unit_bytes(body))
+
+    def save_hidden(self, slots: Slots, offset, c, when=None) -> Slots:
+        return Slots(_pool.write(slots.pool, offset, c, self.unit_bytes, when))
+
+    def load_hidden(self, slots: Slots, init, offset):
+        """``h`` at ``offset``, or ``init`` for offset -1 (the caller's ``h_0``)."""
+        if slots.pool.shape[0] == 0:
+            return list(init)
+        stored = _pool.read(slots.pool, offset, self.carry_avals, self.unit_bytes)
+        return [jnp.where(offset < 0, a, b) for a, b in zip(init, stored)]
+
+    def save_internal(self, slots: Slots, offset, leaves, when=None) -> Slots:
+        return Slots(_pool.write(slots.pool, offset, leaves, self.unit_bytes, when))
+
+    def load_internal(self, slots: Slots, offset):
+        return _pool.read(slots.pool, offset, self.internal_avals, self.unit_bytes)
+
+
+jax.tree_util.register_dataclass(Slots, data_fields=["pool"], meta_fields=[])
 
 
 def _write(buffers, index, values, when=None):
@@ -215,30 +253,32 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         else ``None``.
     """
     t = prog.num_steps
-    slots = Slots.allocate(prog, body, spec)
+    layout = _Layout.of(prog, body, spec)
+    slots = Slots.allocate(prog, body)
     n_sweep = t - 1 if prog.fused_last else t
     has_internal = prog.sweep_saves_internal
 
-    def save_step(c, internal, x, si):
+    def save_step(c, slots, x, si):
         c_new, y, res = body.save(spec, consts, c, x)
         extra = c_new if prog.loads_internal else []
-        return c_new, y, _write(internal, si, res + extra)
+        return c_new, y, layout.save_internal(slots, si, res + extra)
 
-    def primal_step(c, internal, x, si):
+    def primal_step(c, slots, x, si):
         c_new, y = body(consts, c, x)
-        return c_new, y, internal
+        return c_new, y, slots
 
     def step(state, inp):
         c, slots = state
         x, sh, si = inp
-        hidden = _write(slots.hidden, sh, c, sh >= 0) if prog.sweep_saves_hidden else slots.hidden
+        if prog.sweep_saves_hidden:
+            slots = layout.save_hidden(slots, sh, c, sh >= 0)
         if has_internal:
-            # Write-or-identity: the buffer stays in place, and steps that store nothing
+            # Write-or-identity: the pool stays in place, and steps that store nothing
             # run the primal only.
-            c_new, y, internal = lax.cond(si >= 0, save_step, primal_step, c, slots.internal, x, si)
+            c_new, y, slots = lax.cond(si >= 0, save_step, primal_step, c, slots, x, si)
         else:
-            c_new, y, internal = primal_step(c, slots.internal, x, si)
-        return (c_new, Slots(hidden, internal)), y
+            c_new, y, slots = primal_step(c, slots, x, si)
+        return (c_new, slots), y
 
     head = [x[:n_sweep] for x in xs]
     inputs = (
@@ -254,7 +294,7 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     if prog.fused_last:
         x_last = [x[t - 1] for x in xs]
         if prog.save_hidden[t - 1] >= 0:
-            slots = Slots(_write(slots.hidden, int(prog.save_hidden[t - 1]), c), slots.internal)
+            slots = layout.save_hidden(slots, int(prog.save_hidden[t - 1]), c)
         c, y_last, working = body.save(spec, consts, c, x_last)
         ys = [jnp.concatenate([a, b[None].astype(a.dtype)]) for a, b in zip(ys, y_last)]
     return c, ys, slots, working
@@ -292,6 +332,7 @@ def run_backward(
         ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only; ``None`` where not needed.
     """
     t = prog.num_steps
+    layout = _Layout.of(prog, body, spec)
     kf, _ = split(consts, body.const_mask)
     n_stored = len(spec.stored)
     xs_f, _ = split(xs, body.x_mask)
@@ -326,10 +367,10 @@ def run_backward(
     switch_of = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)
     switch_branches = (advance, keep, take_hidden, take_internal)
 
-    def save_internal(c, internal, arg, pos):
+    def save_internal(c, slots, arg, pos):
         c_new, _, res = body.save(spec, consts, c, _x_at(xs, pos))
         extra = c_new if prog.loads_internal else []
-        return c_new, _write(internal, arg, res + extra)
+        return c_new, layout.save_internal(slots, arg, res + extra)
 
     def run_primal(c, slots, lo, hi):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
@@ -341,50 +382,32 @@ def run_backward(
         def body_fn(state):
             pc, c, slots = state
             branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 2]
-            hidden, internal = slots.hidden, slots.internal
             if SAVE_I in rows_ops:
-                c, internal = lax.cond(
-                    branch == SAVE_I, save_internal, lambda c, i, *_: (c, i), c, internal, arg, pos
+                c, slots = lax.cond(
+                    branch == SAVE_I, save_internal, lambda c, s, *_: (c, s), c, slots, arg, pos
                 )
             if SAVE_H in rows_ops:
-                hidden = _write(hidden, arg, c, branch == SAVE_H)
+                slots = layout.save_hidden(slots, arg, c, branch == SAVE_H)
             loaded_h = loaded_i = c
             if LOAD_H in rows_ops:
-                loaded_h = load_hidden(hidden, init, arg)
+                loaded_h = layout.load_hidden(slots, init, arg)
             if LOAD_I in rows_ops:
-                loaded_i = _read(internal, arg)[n_stored:]
+                loaded_i = layout.load_internal(slots, arg)[n_stored:]
             c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
-            return pc + 1, c, Slots(hidden, internal)
+            return pc + 1, c, slots
 
         _, c, slots = lax.while_loop(cond, body_fn, (lo, c, slots))
         return c, slots
 
     # -- one backward -------------------------------------------------------------------
-    def pullback_fused(c, slots, slot, p):
-        return body.linearize(consts, c, _x_at(xs, p))[2]
-
-    def pullback_stored(c, slots, slot, p):
-        stored = _read(slots.internal, slot)[:n_stored]
-        return body.restore(spec, stored, consts, _x_at(xs, p))
-
-    apply = apply_pullback
-
-    def backward_step(make_pullback, c, slots, slot, p, ct_c, ct_k, ct_xs):
-        ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
-        d_k, d_c, d_x = make_pullback(c, slots, slot, p, ct_c, ct_y)
-        d_k = [d for d, n in zip(d_k, need_k) if n]  # the rest is dead code for XLA
-        d_x = [d for d, n in zip(d_x, need_x) if n]
-        ct_k = [a + b for a, b in zip(ct_k, d_k)]
-        ct_xs = [
-            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
-        ]
-        return d_c, ct_k, ct_xs
-
+    # The pool may be *read* inside a conditional (only handing it back copies it), so a
+    # stored backward reads its slot in its own branch and fused ones read nothing.
     def fused_bw(c, slots, slot, p, ct_c, ct_y):
-        return apply(pullback_fused(c, slots, slot, p), ct_c, ct_y)
+        return apply_pullback(body.linearize(consts, c, _x_at(xs, p))[2], ct_c, ct_y)
 
     def stored_bw(c, slots, slot, p, ct_c, ct_y):
-        return apply(pullback_stored(c, slots, slot, p), ct_c, ct_y)
+        stored = layout.load_internal(slots, slot)[:n_stored]
+        return apply_pullback(body.restore(spec, stored, consts, _x_at(xs, p)), ct_c, ct_y)
 
     def either_bw(fused):
         # Both kinds in one schedule (MSM): choose at run time; the pullback's results
@@ -393,6 +416,17 @@ def run_backward(
             return lax.cond(fused == 1, fused_bw, stored_bw, c, slots, slot, p, ct_c, ct_y)
 
         return bw
+
+    def backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs):
+        ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
+        d_k, d_c, d_x = bw(c, slots, slot, p, ct_c, ct_y)
+        d_k = [d for d, n in zip(d_k, need_k) if n]  # the rest is dead code for XLA
+        d_x = [d for d, n in zip(d_x, need_x) if n]
+        ct_k = [a + b for a, b in zip(ct_k, d_k)]
+        ct_xs = [
+            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
+        ]
+        return d_c, ct_k, ct_xs
 
     need_k = list(need_consts) if need_consts is not None else [True] * len(kf)
     need_x = list(need_xs) if need_xs is not None else [True] * len(xs_f)
@@ -403,7 +437,7 @@ def run_backward(
     if prog.fused_last:
 
         def first_bw(c, slots, slot, p, ct_c, ct_y):
-            return apply(body.restore(spec, working, consts, _x_at(xs, p)), ct_c, ct_y)
+            return apply_pullback(body.restore(spec, working, consts, _x_at(xs, p)), ct_c, ct_y)
     else:
         first_bw = stored_bw
     first_slot = int(prog.backward_rows[0, 1])

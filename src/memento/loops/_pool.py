@@ -79,49 +79,50 @@ def _as_bytes(x) -> jnp.ndarray:
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
-    # bitcast to uint8 adds a trailing axis of the item size (none for 1-byte types)
+    # bitcast to uint8 adds a trailing axis of the item size (none for 1-byte types);
+    # both the bitcast and the reshape are free in XLA.
     return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def pack(leaves: Sequence, units: int, unit_bytes: int) -> jnp.ndarray:
-    """Leaves as one ``uint8[units, unit_bytes]`` block (zero-padded)."""
-    flat = [_as_bytes(l) for l in leaves]
-    size = sum(int(f.shape[0]) for f in flat)
-    pad = units * unit_bytes - size
-    if pad < 0:
-        raise ValueError(f"memento: {size} bytes do not fit in {units} units of {unit_bytes}")
-    if pad:
-        flat.append(jnp.zeros((pad,), jnp.uint8))
-    return jnp.concatenate(flat).reshape(units, unit_bytes)
+def _from_bytes(flat, aval):
+    dtype = jnp.dtype(aval.dtype)
+    stored = jnp.dtype(jnp.uint8) if dtype == jnp.bool_ else dtype
+    width = stored.itemsize
+    shape = tuple(aval.shape) + ((width,) if width > 1 else ())
+    x = lax.bitcast_convert_type(flat.reshape(shape), stored)
+    return x != 0 if dtype == jnp.bool_ else x
 
 
-def unpack(block: jnp.ndarray, avals: Sequence) -> list:
-    """The leaves (shapes and dtypes of ``avals``) packed in ``block`` by `pack`."""
-    flat = block.reshape(-1)
-    out, start = [], 0
-    for a in avals:
-        dtype = jnp.dtype(a.dtype)
-        n = math.prod(a.shape)
-        stored = jnp.uint8 if dtype == jnp.bool_ else dtype
-        width = jnp.dtype(stored).itemsize
-        chunk = lax.slice_in_dim(flat, start, start + n * width)
-        start += n * width
-        shape = tuple(a.shape) + ((width,) if width > 1 else ())
-        x = lax.bitcast_convert_type(chunk.reshape(shape), stored)
-        out.append(x != 0 if dtype == jnp.bool_ else x)
+def _byte_sizes(avals) -> list[int]:
+    return [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in avals]
+
+
+def allocate(units: int, unit_bytes: int) -> jnp.ndarray:
+    """A flat ``uint8[units * unit_bytes]`` pool."""
+    return jnp.zeros((units * unit_bytes,), jnp.uint8)
+
+
+def write(pool, offset, leaves: Sequence, unit_bytes: int, when=None) -> jnp.ndarray:
+    """Stores ``leaves`` from unit ``offset`` on (only where ``when``, a scalar, holds).
+
+    Each leaf is written in place at its own byte offset: no concatenation, so the pool
+    costs the same memory traffic as one typed buffer per leaf.
+    """
+    start = jnp.maximum(offset, 0) * unit_bytes
+    for leaf in leaves:
+        b = _as_bytes(leaf)
+        if when is not None:
+            b = jnp.where(when, b, lax.dynamic_slice_in_dim(pool, start, b.shape[0]))
+        pool = lax.dynamic_update_slice_in_dim(pool, b, start, 0)
+        start = start + b.shape[0]
+    return pool
+
+
+def read(pool, offset, avals: Sequence, unit_bytes: int) -> list:
+    """The leaves (shapes and dtypes of ``avals``) stored at unit ``offset`` by `write`."""
+    start = jnp.maximum(offset, 0) * unit_bytes
+    out = []
+    for aval, n in zip(avals, _byte_sizes(avals)):
+        out.append(_from_bytes(lax.dynamic_slice_in_dim(pool, start, n), aval))
+        start = start + n
     return out
-
-
-def write(pool: jnp.ndarray, offset, leaves: Sequence, units: int, when=None) -> jnp.ndarray:
-    """``pool[offset : offset + units] = pack(leaves)`` (only where ``when`` holds)."""
-    block = pack(leaves, units, pool.shape[1])
-    offset = jnp.maximum(offset, 0)
-    if when is not None:
-        block = jnp.where(when, block, lax.dynamic_slice_in_dim(pool, offset, units, 0))
-    return lax.dynamic_update_slice_in_dim(pool, block, offset, 0)
-
-
-def read(pool: jnp.ndarray, offset, avals: Sequence, units: int) -> list:
-    """The leaves stored at ``offset`` by `write`."""
-    block = lax.dynamic_slice_in_dim(pool, jnp.maximum(offset, 0), units, 0)
-    return unpack(block, avals)

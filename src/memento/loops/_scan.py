@@ -97,7 +97,7 @@ def scan(
     slots = to_slots(budget, carry_bytes, name=_NAME)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
     schedule = choose_schedule(num_steps, slots, alpha, policy, name=_NAME)
-    prog = _compile(schedule)
+    prog = _compile(schedule, alpha)
 
     run = _differentiable_run(body, spec, prog, unroll)
     try:
@@ -141,8 +141,8 @@ def _length(x_leaves, length) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(schedule: Schedule) -> Program:
-    return compile_schedule(schedule)
+def _compile(schedule: Schedule, internal_units: int) -> Program:
+    return compile_schedule(schedule, internal_units)
 
 
 def _instantiate(cts, likes):
