@@ -304,7 +304,11 @@ def test_bad_body_and_predicate():
 
 def test_jvp_raises():
     _, _, h0 = params()
-    with pytest.raises(TypeError):
-        jax.jvp(
-            lambda h: memento.while_loop(lambda h: h[0] < 1, jnp.cos, h, memory=2), (h0,), (h0,)
-        )
+
+    def f(h):
+        return memento.while_loop(
+            lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.cos(s[1])), (0, h), memory=2
+        )[1]
+
+    with pytest.raises(TypeError, match=r"forward-mode differentiation .* not supported"):
+        jax.jvp(f, (h0,), (h0,))

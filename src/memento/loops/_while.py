@@ -125,7 +125,16 @@ def while_loop(
     events = _online.online_events(slots, max(cap, 1))
 
     run = _differentiable_run(body, cond_jaxpr, slots, steps, events)
-    carry = run(body.consts, cond_consts, init_leaves)
+    try:
+        carry = run(body.consts, cond_consts, init_leaves)
+    except TypeError as e:
+        if "forward-mode" in str(e) or "jvp" in str(e):
+            raise TypeError(
+                f"{_NAME}: forward-mode differentiation (jvp, jacfwd) is not supported; its "
+                "gradient is a custom reverse-mode rule. Use jax.grad / jax.vjp, or "
+                "lax.while_loop for forward mode."
+            ) from e
+        raise
     return jax.tree_util.tree_unflatten(body.carry_tree, carry)
 
 
