@@ -62,9 +62,8 @@ def _targets(p: int, horizon: int) -> tuple[int, ...]:
     return (p + 1, horizon)
 
 
-# Without max_steps, events are planned up to this many steps; beyond it the last
-# segment simply grows (still correct, reversed with the slots it has).
-DEFAULT_CAP = 1 << 20
+# Without max_steps, events are planned up to the int32 step counter's limit.
+DEFAULT_CAP = (1 << 31) - 2
 
 
 @functools.lru_cache(maxsize=1 << 16)
