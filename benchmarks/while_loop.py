@@ -219,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "while_loop.json"))
     ap.add_argument("--memory", type=int, default=48, help="checkpoints c (default d*b)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     args = ap.parse_args(argv)
     b, d = (8, 3) if args.quick else (16, 3)
     m = b**d
@@ -227,7 +228,7 @@ def main(argv=None):
     bodies = {"ode": ode_body(), "lstm": lstm_body()}
     rows = []
     for body_name, (params, init, step) in bodies.items():
-        for method in METHODS:
+        for method in args.methods:
             loss = _loss(method, step, m, c)
             if method in ("nested_scan_cond", "nested_checkpoint"):
                 loss = _loss_nested(method, step, m, c, b, d)
