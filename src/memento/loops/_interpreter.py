@@ -269,7 +269,8 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
 
     def step(state, inp):
         c, slots = state
-        x, sh, si = inp
+        p, sh, si = inp
+        x = _x_at(xs, p)
         if prog.sweep_saves_hidden:
             slots = layout.save_hidden(slots, sh, c, sh >= 0)
         if has_internal:
@@ -280,9 +281,9 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
             c_new, y, slots = primal_step(c, slots, x, si)
         return (c_new, slots), y
 
-    head = [x[:n_sweep] for x in xs]
+    # Steps are indexed, not sliced: ``xs[:t-1]`` would be a copy of xs in temp memory.
     inputs = (
-        head,
+        jnp.arange(n_sweep, dtype=jnp.int32),
         jnp.asarray(prog.save_hidden[:n_sweep]),
         jnp.asarray(prog.save_internal[:n_sweep]),
     )
