@@ -178,7 +178,7 @@ def test_vjp_and_nested_scan():
 
 def test_jvp_raises_clearly():
     w, h0, xs = rnn_params()
-    with pytest.raises(TypeError, match="forward-mode .* use memory=None"):
+    with pytest.raises(TypeError, match=r"forward-mode .* or memory=None \(lax.scan\) for forward"):
         jax.jvp(lambda w: rnn_loss(budgeted(memory=2), w, h0, xs), (w,), (w,))
     # memory=None is lax.scan, which supports forward mode.
     jax.jvp(lambda w: rnn_loss(budgeted(memory=None), w, h0, xs), (w,), (w,))

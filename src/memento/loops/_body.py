@@ -168,6 +168,24 @@ class Body:
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
 
+def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead: str):
+    """``run(*args)`` where ``run`` is a ``custom_vjp`` function; a clear error under jvp.
+
+    JAX refuses forward-mode differentiation of a custom VJP with a message that does not
+    say what to do instead; the executors say it.
+    """
+    try:
+        return run(*args)
+    except TypeError as e:
+        if "forward-mode" in str(e) or "jvp" in str(e):
+            raise TypeError(
+                f"{name}: forward-mode differentiation (jvp, jacfwd) is not supported: its "
+                f"gradient is a custom reverse-mode rule. Use jax.grad / jax.vjp, or {instead} "
+                "for forward mode."
+            ) from e
+        raise
+
+
 def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:
     out, n_stored = [], 0
     for leaf in leaves:

@@ -13,7 +13,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ..planning import Schedule
-from ._body import Body, ResidualSpec, make_body, merge, nbytes, split
+from ._body import Body, ResidualSpec, call_reverse_mode_only, make_body, merge, nbytes, split
 from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
 from ._interpreter import Program, compile_schedule, run_backward, run_sweep
 
@@ -100,16 +100,9 @@ def scan(
     prog = _compile(schedule, alpha)
 
     run = _differentiable_run(body, spec, prog, unroll)
-    try:
-        carry, ys = run(body.consts, init_leaves, x_leaves)
-    except TypeError as e:
-        if "forward-mode" in str(e) or "jvp" in str(e):
-            raise TypeError(
-                f"{_NAME}: forward-mode differentiation (jvp, jacfwd) is not supported with a "
-                "memory budget, whose gradient is a custom reverse-mode rule; use "
-                "memory=None (plain lax.scan) for forward mode, or jax.grad / jax.vjp."
-            ) from e
-        raise
+    carry, ys = call_reverse_mode_only(
+        run, (body.consts, init_leaves, x_leaves), name=_NAME, instead="memory=None (lax.scan)"
+    )
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
     return (

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from ..planning import _online
-from ._body import Body, float0_zeros, make_body, merge, nbytes, split
+from ._body import Body, call_reverse_mode_only, float0_zeros, make_body, merge, nbytes, split
 from ._budget import Bytes, parse_memory, to_slots
 from ._interpreter import _write, advance_steps, apply_pullback, load_hidden
 
@@ -129,16 +129,9 @@ def while_loop(
     events = _online.online_events(slots, max(cap, 1))
 
     run = _differentiable_run(body, cond_jaxpr, slots, steps, events)
-    try:
-        carry = run(body.consts, cond_consts, init_leaves)
-    except TypeError as e:
-        if "forward-mode" in str(e) or "jvp" in str(e):
-            raise TypeError(
-                f"{_NAME}: forward-mode differentiation (jvp, jacfwd) is not supported; its "
-                "gradient is a custom reverse-mode rule. Use jax.grad / jax.vjp, or "
-                "lax.while_loop for forward mode."
-            ) from e
-        raise
+    carry = call_reverse_mode_only(
+        run, (body.consts, cond_consts, init_leaves), name=_NAME, instead="lax.while_loop"
+    )
     return jax.tree_util.tree_unflatten(body.carry_tree, carry)
 
 
