@@ -8,6 +8,8 @@ import math
 import re
 from typing import Literal
 
+import numpy as np
+
 from .. import planning
 from ..planning import Schedule
 from ..planning._dp import _msm_estimate_s as msm_estimate_s
@@ -106,8 +108,8 @@ _MSM_AUTO_SECONDS = 1.0
 def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> Schedule:
     """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
-    ``"auto"`` takes the cheapest of HSM, ISM and MSM. All three fit the budget exactly:
-    the executor stores every state in one stack-allocated pool (see `_pool`).
+    ``"auto"`` takes the fastest of HSM, ISM and MSM by `predicted_work`. All three fit
+    the budget exactly: the executor stores every state in one stack-allocated pool.
     """
     if policy not in POLICIES:
         raise ValueError(f"{name}: policy must be one of {POLICIES}, got {policy!r}.")
@@ -128,4 +130,17 @@ def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name
         candidates.append(_plan(num_steps, slots, "ism", alpha))
     if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
         candidates.append(_plan(num_steps, slots, "msm", alpha))
-    return min(candidates, key=lambda s: (s.cost, s.peak_memory))
+    return min(candidates, key=lambda s: (predicted_work(s), s.peak_memory))
+
+
+def predicted_work(schedule: Schedule) -> int:
+    """Forward evaluations plus one per internal state stored: what "auto" minimises.
+
+    The paper counts forward evaluations only. Measured (benchmarks/rnn.py, LSTM on CPU),
+    writing an internal state to its slot and reading it back costs about one forward
+    evaluation, so a plan that stores internal states to save one forward each gains
+    nothing: storing every internal state (1.89 evaluations per step) ran slower than
+    storing every carry (2 per step).
+    """
+    saves = int(np.count_nonzero(schedule.actions[:, 0] == planning.Op.SAVE_INTERNAL))
+    return schedule.cost + saves
