@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core as jax_core
 
 Leaves = list[Any]
 
@@ -99,7 +100,7 @@ class Body:
     # -- evaluation ---------------------------------------------------------------------
     def __call__(self, consts: Sequence, carry: Sequence, x: Sequence) -> tuple[Leaves, Leaves]:
         """One primal step on flat leaves: ``(carry, y)``."""
-        out = jax.core.eval_jaxpr(self.jaxpr, list(consts), *carry, *x)
+        out = jax_core.eval_jaxpr(self.jaxpr, list(consts), *carry, *x)
         n = len(self.carry_avals)
         return list(out[:n]), list(out[n:])
 

@@ -97,7 +97,7 @@ def internal_slots(residual_bytes: int, carry_bytes: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _plan(num_steps: int, memory: int, policy: str, alpha: int | None) -> Schedule:
-    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)
+    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)  # pyright: ignore[reportArgumentType]
 
 
 # "auto" skips MSM when its exact table is estimated to take longer than this to plan:

@@ -112,9 +112,9 @@ def scan(
 
 
 def _length(x_leaves, length) -> int:
-    lengths = {int(x.shape[0]) if getattr(x, "ndim", 0) > 0 else None for x in x_leaves}
-    if None in lengths:
+    if any(getattr(x, "ndim", 0) == 0 for x in x_leaves):
         raise ValueError(f"{_NAME}: every leaf of xs needs a leading axis to scan over.")
+    lengths = {int(x.shape[0]) for x in x_leaves}
     if len(lengths) > 1:
         raise ValueError(
             f"{_NAME}: the leaves of xs have different leading lengths {sorted(lengths)}; "

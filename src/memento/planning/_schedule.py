@@ -52,7 +52,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["Op", "Schedule", "SimulationResult", "ScheduleError"]
+__all__ = ["Op", "Schedule", "ScheduleError", "SimulationResult"]
 
 
 class Op(enum.IntEnum):
