@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from ..planning import Op, Schedule
+from ._body import nbytes
 
 _SAVES = {Op.SAVE_HIDDEN: "h", Op.SAVE_INTERNAL: "i"}
 _FREES = {Op.FREE_HIDDEN: "h", Op.FREE_INTERNAL: "i"}
@@ -93,10 +94,6 @@ def _from_bytes(flat, aval):
     return x != 0 if dtype == jnp.bool_ else x
 
 
-def _byte_sizes(avals) -> list[int]:
-    return [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in avals]
-
-
 def allocate(units: int, unit_bytes: int) -> jnp.ndarray:
     """A flat ``uint8[units * unit_bytes]`` pool."""
     return jnp.zeros((units * unit_bytes,), jnp.uint8)
@@ -122,7 +119,8 @@ def read(pool, offset, avals: Sequence, unit_bytes: int) -> list:
     """The leaves (shapes and dtypes of ``avals``) stored at unit ``offset`` by `write`."""
     start = jnp.maximum(offset, 0) * unit_bytes
     out = []
-    for aval, n in zip(avals, _byte_sizes(avals)):
+    for aval in avals:
+        n = nbytes([aval])
         out.append(_from_bytes(lax.dynamic_slice_in_dim(pool, start, n), aval))
         start = start + n
     return out

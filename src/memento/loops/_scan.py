@@ -168,9 +168,11 @@ def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
         c, ys, slots, working = run_sweep(prog, body, spec, consts, init, xs, unroll=unroll)
         return (c, ys), (consts, init, xs, slots, working, need_k, need_x)
 
+    ys_avals = [jax.ShapeDtypeStruct((prog.num_steps, *a.shape), a.dtype) for a in body.y_avals]
+
     def bwd(res, cts):
         consts, init, xs, slots, working, need_k, need_x = res
-        ct_c, ct_ys = (_instantiate(ct, like) for ct, like in zip(cts, (init, _ys_like(xs))))
+        ct_c, ct_ys = (_instantiate(ct, like) for ct, like in zip(cts, (init, ys_avals)))
         ct_c_f, _ = split(ct_c, body.carry_mask)
         ct_ys_f, _ = split(ct_ys, body.y_mask)
         ct_k, ct_init, ct_xs = run_backward(
@@ -185,9 +187,6 @@ def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
             merge(ct_init, [None] * (len(init) - len(ct_init)), body.carry_mask),
             merge(ct_xs, [None] * (len(xs) - len(ct_xs)), x_mask),
         )
-
-    def _ys_like(xs):
-        return [jax.ShapeDtypeStruct((prog.num_steps, *a.shape), a.dtype) for a in body.y_avals]
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
