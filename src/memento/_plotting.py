@@ -82,7 +82,7 @@ def paper_curves(max_steps: int) -> list[Curves]:
     bptt = ("standard BPTT", 1.0)
 
     # Costs stop falling once everything fits: T hidden states (HSM), T internal states
-    # (ISM); larger budgets read that last column. MSM tables are O(t^2 m): see _msm.
+    # (ISM); larger budgets read that last column. MSM tables cost O(t m): see _msm.
     hsm = cost_table(T, min(max(PAPER_MEMORIES), T + 1), policy="hsm")
     ism = cost_table(T, min(max(PAPER_MEMORIES), T + 1), policy="ism")
     msm = _msm(T, [ALPHA * m for m in (*PAPER_MEMORIES, 10, 20)], ALPHA)
@@ -136,9 +136,9 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
     """MSM cost per step for t = 1..T at each budget in ``memories`` (slots, beta = alpha).
 
     With ``1 + (t - 1) alpha`` slots every step but the last keeps its internal state and
-    C(t, m) = t; budgets at or above that for every t need no table. The table, O(t^2 m),
+    C(t, m) = t; budgets at or above that for every t need no table. The table, O(t m),
     is computed only up to the largest budget that is still short somewhere (at T = 1000,
-    2500 slots instead of 5000: about 3x faster).
+    2500 slots instead of 5000).
     """
     from .planning import cost_table
 

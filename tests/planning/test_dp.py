@@ -250,7 +250,13 @@ def test_repr_and_counts():
         ((10, 4), {"policy": "ism", "beta": 1}, ValueError, r"beta=1 applies to policy='msm'"),
         ((10, 2), {"policy": "ism", "alpha": 3}, ValueError, r"below policy='ism''s minimum"),
         ((10**7, 4), {}, ValueError, r"about 50000000 schedule rows"),
-        ((10**5, 500), {"policy": "msm", "alpha": 5}, ValueError, r"would take about \d+ min"),
+        ((10**6, 1000), {"policy": "msm", "alpha": 5}, ValueError, r"would take about \d+ min"),
+        (
+            (10**6, 400),
+            {"policy": "msm", "alpha": 5},
+            ValueError,
+            r"4\.9 GiB \(O\(t m\); the limits are 2 min and 4 GiB\)",
+        ),
     ],
 )
 def test_errors(args, kwargs, exc, match):
@@ -262,7 +268,7 @@ def test_cost_table_errors_name_cost_table():
     with pytest.raises(ValueError, match=r"memento\.cost_table: num_steps must be >= 1"):
         cost_table(0, 3)
     with pytest.raises(ValueError, match=r"memento\.cost_table: .*would take about"):
-        cost_table(10**5, 500, policy="msm", alpha=5)
+        cost_table(10**6, 1000, policy="msm", alpha=5)
 
 
 def test_public_names():

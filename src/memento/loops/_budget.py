@@ -11,8 +11,7 @@ from typing import Literal
 import numpy as np
 
 from .. import planning
-from ..planning import Schedule
-from ..planning._dp import _msm_estimate_s as msm_estimate_s
+from ..planning import Schedule, msm_estimate_s
 
 Policy = Literal["auto", "hsm", "ism", "msm"]
 POLICIES = ("auto", "hsm", "ism", "msm")

@@ -1,9 +1,10 @@
 """Optimal checkpointing policies (Gruslys et al. 2016) as explicit schedules. NumPy only.
 
-Planners: `plan`, `cost_table`, `plan_chain`. Baselines, flat in this namespace and in
-``memento``, each a replayed `Schedule` under the same memory model: `store_all` (plain
-BPTT), `store_none`, `chen_sqrt`, `chen_recursive`, `revolve` (with `revolve_cost`);
-`compare_to_bptt` reports any schedule's memory saved and predicted time.
+Planners: `plan`, `cost_table`, `plan_chain`; `msm_estimate_s` predicts how long `plan`
+takes for MSM. Baselines, flat in this namespace and in ``memento``, each a replayed
+`Schedule` under the same memory model: `store_all` (plain BPTT), `store_none`,
+`chen_sqrt`, `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports
+any schedule's memory saved and predicted time.
 """
 
 from ._baselines import BpttComparison as BpttComparison
@@ -17,6 +18,7 @@ from ._baselines import store_none as store_none
 from ._chain import plan_chain as plan_chain
 from ._dp import cost_table as cost_table
 from ._dp import plan as plan
+from ._msm import msm_estimate_s as msm_estimate_s
 from ._schedule import (
     Op as Op,
 )

@@ -14,11 +14,13 @@ explicit stack (t may be 10^5: no Python recursion) into rows of ``_schedule.py`
 Speed: HSM and ISM (and MSM with alpha = 1, which is ISM's recursion) have closed forms
 for C and for an optimal split (``_closed.py``), so planning costs O(number of split
 nodes) plus vectorised leaves. MSM with alpha >= 2 has neither: C(., m) is not convex in t
-and the set of optimal y is not an interval (checked against the oracle), so the exact
-table is filled in O(t^2 m), vectorised over (y, m). Optimality is within the paper's
-model, where a stored state is kept until its steps are back-propagated; a schedule that
-frees a state early (reload h_y, free it, keep an internal state in its room) can be
-cheaper for MSM, and the simulator accepts it (tests/planning/test_brute.py).
+and the set of optimal y is not an interval (checked against the oracle). Its exact table
+is filled column by column in O(t) vectorised work per column and certified against a
+convex lower bound (``_msm.py``; about 0.5 s at t = 10,000, m = 200). Optimality is
+within the paper's model, where a stored state is kept until its steps are
+back-propagated; a schedule that frees a state early (reload h_y, free it, keep an
+internal state in its room) can be cheaper for MSM, and the simulator accepts it
+(tests/planning/test_brute.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Literal
 import numpy as np
 
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
+from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
 from ._schedule import Op, Schedule
 
 __all__ = ["cost_table", "plan"]
@@ -37,10 +40,9 @@ __all__ = ["cost_table", "plan"]
 Policy = Literal["hsm", "ism", "msm"]
 _POLICIES = ("hsm", "ism", "msm")
 
-_BIG = 1 << 60  # "infinity" in int64 tables; BIG + BIG + t still fits in int64
 _MAX_STEPS = 5_000_000  # beyond this the rows alone take gigabytes (about 5 rows per step)
 _MSM_BUDGET_S = 120.0  # refuse exact MSM tables estimated to take longer than this
-_NS_PER_CELL = 2e-9  # measured cost of one (t, m, y) candidate of the vectorised MSM DP
+_MSM_BUDGET_BYTES = 4 * 2**30  # or to take more memory than this (C, H, D: 13 B per cell)
 
 # Opcodes as plain ints (the emitter's inner loop is hot).
 _ADV = int(Op.ADVANCE)
@@ -52,7 +54,6 @@ _BACK_I = int(Op.BACKWARD_INTERNAL)
 _FUSED = int(Op.BACKWARD_FUSED)
 _FREE_H = int(Op.FREE_HIDDEN)
 _FREE_I = int(Op.FREE_INTERNAL)
-_HIDDEN, _INTERNAL = 0, 1  # H(t, m)
 
 
 # --------------------------------------------------------------------------- validation
@@ -123,72 +124,16 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, s
 # --------------------------------------------------------------------------- MSM tables
 
 
-def _msm_estimate_s(num_steps: int, memory: int, alpha: int, beta: int) -> float:
-    if alpha == 1:
-        return 0.0
-    factor = 2 if beta == alpha else 1
-    return _NS_PER_CELL * factor * num_steps * num_steps * memory / 2
-
-
-def _msm_tables(num_steps: int, memory: int, alpha: int, beta: int):
-    """Exact C, H and D of BPTT-MSM with beta, eq. (6)-(10), for t <= num_steps, m <= memory.
-
-    Returns int64 ``C`` (``_BIG`` = infeasible), int8 ``H`` and int32 ``D`` of shape
-    ``(num_steps + 1, memory + 1)``. Vectorised over (y, m) for each t.
-
-    Two facts keep this exact and smaller:
-    - if alpha > beta, Q2 with y >= 2 never beats Q1 at y - 1 followed by Q2 at y' = 1
-      (that costs y + C(y-1, m) + C(t-y, m-1-beta) <= Q2(y) since m-1-beta >= m-alpha and
-      C is non-increasing in m), so only y = 1 is tried for internal states;
-    - C(., m) is *not* convex in t for alpha >= 2 and the optimal y are not an interval
-      (found with the oracle), so the argmin cannot be tracked with a moving pointer.
-    """
-    # int32 halves the memory traffic of this bandwidth-bound loop; it is exact while two
-    # finite entries plus t stay below the int32 "infinity" 2^29 (C <= t(t+1)/2).
-    small = num_steps * (num_steps + 1) + num_steps < (1 << 29)
-    dtype = np.int32 if small else np.int64
-    big = (1 << 29) if small else _BIG
-    pad = alpha  # columns m <= 0 are infeasible: store them as BIG on the left
-    cx = np.full((num_steps + 1, memory + 1 + pad), big, dtype=dtype)
-    cx[0, pad + 1 :] = 0  # C(0, m) = 0 for m >= 1
-    ts = np.arange(num_steps + 1, dtype=np.int64)
-    cx[1:, pad + 1] = ts[1:] * (ts[1:] + 1) // 2  # C(t, 1): h_0 only
-    cx[1, pad + 1 :] = 1  # C(1, m) = 1: one fused step
-    kind = np.zeros((num_steps + 1, memory + 1), dtype=np.int8)
-    split = np.ones((num_steps + 1, memory + 1), dtype=np.int32)
-    if memory >= 2:
-        cols = slice(pad + 2, pad + memory + 1)  # m = 2..memory
-        width = memory - 1
-        both = alpha == beta
-        ar = np.arange(width)
-        for t in range(2, num_steps + 1):
-            # y + C(y, m) for y = 1..t-1; also (y+1) + C(y, m) - 1 for Q2 at y+1 below.
-            left = cx[1:t, cols] + np.arange(1, t, dtype=dtype)[:, None]
-            q1 = left + cx[t - 1 : 0 : -1, pad + 1 : pad + memory]  # + C(t-y, m-1)
-            d1 = q1.argmin(0)
-            best = q1[d1, ar]
-            h = np.zeros(width, dtype=np.int8)
-            d = d1 + 1
-            # Q2 at y = 1 (eq. 10, beta): 1 + C(0, m) + C(t-1, m-beta).
-            q2 = 1 + cx[t - 1, pad + 2 - beta : pad + memory + 1 - beta]
-            take = q2 < best
-            best = np.where(take, q2, best)
-            h[take] = _INTERNAL
-            d[take] = 1
-            if both:  # Q2 at y = 2..t: y + C(y-1, m) + C(t-y, m-alpha)
-                q2 = left + cx[t - 2 :: -1, pad + 2 - alpha : pad + memory + 1 - alpha]
-                d2 = q2.argmin(0)
-                v2 = q2[d2, ar] + 1
-                take = v2 < best
-                best = np.where(take, v2, best)
-                h[take] = _INTERNAL
-                d[take] = d2[take] + 2
-            cx[t, cols] = np.minimum(best, big)
-            kind[t, 2:] = h
-            split[t, 2:] = d
-    c = cx[:, pad:].astype(np.int64)
-    c[c >= big] = _BIG
-    return c, kind, split
+def _msm_check(fn: str, what: str, t: int, m: int, alpha: int, beta: int, hint: str) -> None:
+    """Refuses exact MSM tables estimated to take more than two minutes or 4 GiB."""
+    est = msm_estimate_s(t, m, alpha, beta)
+    nbytes = 13 * (t + 1) * (m + 1 + alpha)
+    if est > _MSM_BUDGET_S or nbytes > _MSM_BUDGET_BYTES:
+        raise ValueError(
+            f"{fn}: the exact MSM table for {what} would take about {est / 60:.0f} min and "
+            f"{nbytes / 2**30:.1f} GiB (O(t m); the limits are {_MSM_BUDGET_S / 60:.0f} min "
+            f"and {_MSM_BUDGET_BYTES / 2**30:.0f} GiB); {hint}"
+        )
 
 
 # --------------------------------------------------------------------------- emission
@@ -428,9 +373,9 @@ def plan(
 
     Notes:
         Planning time: HSM and ISM use closed forms (t = 100,000, m = 100 in tens of ms);
-        MSM with alpha = 1 too; MSM with alpha >= 2 fills the exact O(t^2 m) table
-        (about a second at t = 1,000, m = 200), and sizes estimated to take more than
-        two minutes are refused up front.
+        MSM with alpha = 1 too; MSM with alpha >= 2 fills an exact table in O(t m)
+        vectorised work (about 0.5 s at t = 10,000, m = 200), and sizes estimated to take
+        more than two minutes or 4 GiB are refused up front.
 
     References:
         A. Gruslys, R. Munos, I. Danihelka, M. Lanctot, A. Graves. Memory-Efficient
@@ -457,15 +402,10 @@ def plan(
         cost = ism_cost(t, m)
     else:
         m_eff = min(m, 1 + (t - 1) * alpha)  # more slots than that cannot be used
-        est = _msm_estimate_s(t, m_eff, alpha, beta)
-        if est > _MSM_BUDGET_S:
-            raise ValueError(
-                f"{fn}: the exact MSM table for num_steps={t}, memory={m_eff}, "
-                f"alpha={alpha}, beta={beta} would take about {est / 60:.0f} min "
-                f"(O(t^2 m)); use policy='hsm' (closed form, cost {hsm_cost(t, m)} here) "
-                "or plan fewer steps"
-            )
-        c, kind, split = _msm_tables(t, m_eff, alpha, beta)
+        what = f"num_steps={t}, memory={m_eff}, alpha={alpha}, beta={beta}"
+        hint = f"use policy='hsm' (closed form, cost {hsm_cost(t, m)} here) or plan fewer steps"
+        _msm_check(fn, what, t, m_eff, alpha, beta, hint)
+        c, kind, split = msm_tables(t, m_eff, alpha, beta)
         cost = int(c[t, m_eff])
         tables = (kind, split)
         m_plan = m_eff
@@ -523,13 +463,10 @@ def cost_table(
         for mm in range(alpha, m + 1):
             out[1:, mm] = ism_column(t, mm // alpha)[1:]
     else:
-        est = _msm_estimate_s(t, m, alpha, beta)
-        if est > _MSM_BUDGET_S:
-            raise ValueError(
-                f"{fn}: the exact MSM table for max_steps={t}, max_memory={m} would take "
-                f"about {est / 60:.0f} min (O(t^2 m)); ask for fewer steps or slots"
-            )
-        c = _msm_tables(t, m, alpha, beta)[0].astype(np.float64)
+        _msm_check(
+            fn, f"max_steps={t}, max_memory={m}", t, m, alpha, beta, "ask for fewer steps or slots"
+        )
+        c = msm_tables(t, m, alpha, beta)[0].astype(np.float64)
         c[c >= _BIG] = np.inf
         out[1:, 1:] = c[1:, 1:]
     return out
