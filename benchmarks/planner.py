@@ -6,8 +6,10 @@ ratios measured in the same process).
 
 Cases:
 - HSM and ISM at t = 100,000 and m = 100 (closed forms, vectorised leaves): target 50 ms.
-- MSM with alpha = 5 at m = 200: the exact O(t^2 m) table; timed at t = 1,000 and 2,000,
-  t = 10,000 extrapolated (t^2 m) unless ``--full``.
+- MSM at m = 200: the exact table, column by column (``_msm.py``), at t = 1,000, 2,000 and
+  10,000 with alpha = 5 (target 1 s at 10,000), and at 10,000 with alpha = 5, beta = 2 and
+  alpha = 2. Beside it the O(t^2 m) row-by-row table it replaced (the tests' oracle), timed
+  at t = 2,000 and extrapolated (t^2 m) to 10,000 unless ``--full``.
 - checkpoint_schedules' ``MixedCheckpointSchedule`` against memento's MSM at alpha = 1,
   side by side. What each counts: Mixed's cost (``mixed_steps_tabulation(n, s)[n, s, 2]``)
   is every forward step, first sweep and the forward-reverse (fused) steps included, with
@@ -32,8 +34,7 @@ import warnings
 import numpy as np
 
 import memento
-from memento.planning import _closed
-from memento.planning._dp import _msm_estimate_s
+from memento.planning import _closed, _msm
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "planner.json"
 
@@ -67,7 +68,9 @@ def mixed_schedule(n: int, s: int) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller peers")
-    parser.add_argument("--full", action="store_true", help="time MSM alpha=5 at t=10,000")
+    parser.add_argument(
+        "--full", action="store_true", help="time the O(t^2 m) MSM table at t=10,000"
+    )
     args = parser.parse_args()
     repeats = 3 if args.quick else 9
     rows = []
@@ -91,19 +94,28 @@ def main() -> None:
     seconds, _ = median_time(lambda: _closed.hsm_cost(100_000, 100), repeats)
     record("C_hsm(100_000, 100) closed form only", seconds)
 
-    # MSM, alpha = 5: exact table, O(t^2 m).
-    for t in (1000, 2000):
+    # MSM: the exact table, column by column.
+    for t, alpha, beta in (
+        (1000, 5, 5),
+        (2000, 5, 5),
+        (10_000, 5, 5),
+        (10_000, 5, 2),
+        (10_000, 2, 2),
+    ):
         seconds, s = median_time(
-            lambda t=t: memento.plan(t, 200, policy="msm", alpha=5), max(1, repeats // 3)
+            lambda t=t, a=alpha, b=beta: memento.plan(t, 200, policy="msm", alpha=a, beta=b),
+            max(1, repeats // 3),
         )
-        record(f"plan({t}, 200, policy='msm', alpha=5)", seconds, cost=s.cost)
-    per = seconds / _msm_estimate_s(2000, 200, 5, 5)
-    est = per * _msm_estimate_s(10_000, 200, 5, 5)
+        target = {"target_s": 1.0} if (t, alpha, beta) == (10_000, 5, 5) else {}
+        record(f"plan({t}, 200, msm, alpha={alpha}, beta={beta})", seconds, cost=s.cost, **target)
+    # The O(t^2 m) row-by-row table it replaced.
+    seconds, _ = median_time(lambda: _msm.msm_tables_full(2000, 200, 5, 5), 1)
+    record("msm_tables_full(2000, 200, 5, 5) (before)", seconds)
     if args.full:
-        seconds, s = median_time(lambda: memento.plan(10_000, 200, policy="msm", alpha=5), 1)
-        record("plan(10_000, 200, policy='msm', alpha=5)", seconds, cost=s.cost, target_s=1.0)
+        seconds, _ = median_time(lambda: _msm.msm_tables_full(10_000, 200, 5, 5), 1)
+        record("msm_tables_full(10_000, 200, 5, 5) (before)", seconds)
     else:
-        record("plan(10_000, 200, msm, alpha=5) extrapolated", est, target_s=1.0)
+        record("msm_tables_full(10_000, 200, 5, 5) (before) extrapolated", seconds * 25)
 
     # Mixed vs memento MSM alpha = 1, side by side, same process.
     try:
