@@ -141,21 +141,13 @@ def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
 
 @dataclasses.dataclass
 class Slots:
-    """The slot pool: ``uint8[units, unit_bytes]``, one unit per carry (see `_pool`).
+    """The slot pool: a flat array of unsigned words, one unit per carry (see `_pool`).
 
     Hidden states take one unit, internal states (stored residuals, then the output carry
     when the schedule loads it) ``internal_units``; offsets come from the program's rows.
     """
 
     pool: Any
-
-    @staticmethod
-    def allocate(prog: Program, body: Body) -> Slots:
-        return Slots(_pool.allocate(prog.pool_units, unit_bytes(body)))
-
-
-def unit_bytes(body: Body) -> int:
-    return max(nbytes(body.carry_avals), 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,28 +156,36 @@ class _Layout:
 
     carry_avals: tuple
     internal_avals: tuple
-    unit_bytes: int
+    pool_units: int
+    word: int  # bytes per pool word
+    unit_words: int
 
     @staticmethod
     def of(prog: Program, body: Body, spec: ResidualSpec) -> _Layout:
         extra = tuple(body.carry_avals) if prog.loads_internal else ()
-        return _Layout(tuple(body.carry_avals), tuple(spec.stored) + extra, unit_bytes(body))
+        carry, internal = tuple(body.carry_avals), tuple(spec.stored) + extra
+        word = _pool.word_bytes(carry + internal)
+        units = _pool.unit_words(nbytes(carry), word)
+        return _Layout(carry, internal, prog.pool_units, word, units)
+
+    def allocate(self) -> Slots:
+        return Slots(_pool.allocate(self.pool_units, self.unit_words, self.word))
 
     def save_hidden(self, slots: Slots, offset, c, when=None) -> Slots:
-        return Slots(_pool.write(slots.pool, offset, c, self.unit_bytes, when))
+        return Slots(_pool.write(slots.pool, offset, c, self.unit_words, when))
 
     def load_hidden(self, slots: Slots, init, offset):
         """``h`` at ``offset``, or ``init`` for offset -1 (the caller's ``h_0``)."""
         if slots.pool.shape[0] == 0:
             return list(init)
-        stored = _pool.read(slots.pool, offset, self.carry_avals, self.unit_bytes)
+        stored = _pool.read(slots.pool, offset, self.carry_avals, self.unit_words)
         return [jnp.where(offset < 0, a, b) for a, b in zip(init, stored)]
 
     def save_internal(self, slots: Slots, offset, leaves, when=None) -> Slots:
-        return Slots(_pool.write(slots.pool, offset, leaves, self.unit_bytes, when))
+        return Slots(_pool.write(slots.pool, offset, leaves, self.unit_words, when))
 
     def load_internal(self, slots: Slots, offset):
-        return _pool.read(slots.pool, offset, self.internal_avals, self.unit_bytes)
+        return _pool.read(slots.pool, offset, self.internal_avals, self.unit_words)
 
 
 jax.tree_util.register_dataclass(Slots, data_fields=["pool"], meta_fields=[])
@@ -254,7 +254,7 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     """
     t = prog.num_steps
     layout = _Layout.of(prog, body, spec)
-    slots = Slots.allocate(prog, body)
+    slots = layout.allocate()
     n_sweep = t - 1 if prog.fused_last else t
     has_internal = prog.sweep_saves_internal
 
