@@ -16,9 +16,10 @@ schedule puts before that step's backward (advance, save, load; dispatched by
 its stored internal state or fused with one more forward evaluation. Cotangents of the
 consts are accumulated once per step, as ``lax.scan``'s own transpose does.
 
-Slots are preallocated buffers with a leading slot axis: one per carry leaf for hidden
-states, one per stored residual leaf (plus the output carry, when the schedule loads it)
-for internal states.
+Slots live in one preallocated pool of words (`_pool`): a hidden state takes one
+carry-sized unit, an internal state (the stored residual leaves, plus the output carry
+when the schedule loads it) ``internal_units`` units, at offsets fixed when the schedule
+is compiled.
 """
 
 from __future__ import annotations
