@@ -2,7 +2,7 @@
 
 `memento.scan` runs a `Program` (below); `memento.while_loop` plans at run time, once the
 number of steps is known, and runs the same building blocks (`advance_steps`,
-`load_hidden`, `apply_pullback`, the slot reads and writes) from its own loop.
+`apply_pullback`) from its own loop.
 
 A schedule (see `memento.planning`) is turned into a `Program`: small integer arrays that
 the compiled code reads as data. The program size therefore does not depend on the number
@@ -192,22 +192,6 @@ class _Layout:
 jax.tree_util.register_dataclass(Slots, data_fields=["pool"], meta_fields=[])
 
 
-def _write(buffers, index, values, when=None):
-    """``buffers[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
-    index = jnp.maximum(index, 0)
-    out = []
-    for b, v in zip(buffers, values):
-        if when is not None:
-            v = jnp.where(when, v, b[index])
-        out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
-    return out
-
-
-def _read(buffers, index):
-    index = jnp.maximum(index, 0)
-    return [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in buffers]
-
-
 def _x_at(xs, p):
     return [lax.dynamic_index_in_dim(x, p, 0, keepdims=False) for x in xs]
 
@@ -223,15 +207,6 @@ def advance_steps(body: Body, consts, c, xs, pos, count):
         return body(consts, c, _x_at(xs, pos + i))[0]
 
     return lax.fori_loop(0, count, one, c)
-
-
-def load_hidden(hidden, init, slot):
-    """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
-
-    Reads the buffers outside any conditional (see `run_backward`): a ``where`` picks.
-    """
-    stored = _read(hidden, slot) if hidden else init
-    return [jnp.where(slot < 0, a, b) for a, b in zip(init, stored)]
 
 
 def apply_pullback(pullback, ct_c, ct_y):

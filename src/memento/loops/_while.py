@@ -33,7 +33,7 @@ from jax import lax
 from ..planning import _online
 from ._body import Body, call_reverse_mode_only, float0_zeros, make_body, merge, nbytes, split
 from ._budget import Bytes, parse_memory, to_slots
-from ._interpreter import _write, advance_steps, apply_pullback, load_hidden
+from ._interpreter import advance_steps, apply_pullback
 
 _NAME = "memento.while_loop"
 # Above this many slots the policy's planning (Python, once per (memory, max_steps) at
@@ -279,6 +279,39 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
 
     run.defvjp(fwd, bwd)
     return run
+
+
+# ----------------------------------------------------------------------------------------
+# Hidden slots: one typed buffer per carry leaf, with a leading slot axis. The while loop
+# keeps carries only, all of one size, so it needs none of scan's word pool (`_pool`), which
+# exists to let hidden and internal states of different sizes share one budget; typed
+# buffers are also the cheapest to write and read.
+
+
+def _write(buffers, index, values, when=None):
+    """``buffers[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
+    index = jnp.maximum(index, 0)
+    out = []
+    for b, v in zip(buffers, values):
+        if when is not None:
+            v = jnp.where(when, v, b[index])
+        out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
+    return out
+
+
+def _read(buffers, index):
+    """``[b[index] for b in buffers]``."""
+    index = jnp.maximum(index, 0)
+    return [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in buffers]
+
+
+def load_hidden(hidden, init, slot):
+    """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
+
+    Reads the buffers outside any conditional (see `_backward`): a ``where`` picks.
+    """
+    stored = _read(hidden, slot) if hidden else init
+    return [jnp.where(slot < 0, a, b) for a, b in zip(init, stored)]
 
 
 def _zero_ct(x):
