@@ -135,11 +135,21 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name where Linux tells it (hosts change between runs)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    names = [line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line]
+    return names[0] if names else None
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
