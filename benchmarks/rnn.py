@@ -14,7 +14,9 @@ Methods, all on the same LSTM and data:
 - ``memento m``: ``memento.scan(memory=m)`` with ``m = max(1, round(frac * T))`` slots,
   ``frac`` in 1%, 2%, 5%, 10%, 25%, 100% of storing every carry;
 - ``equinox C``: ``equinox.internal.while_loop(kind="checkpointed", checkpoints=C)``
-  with ``C = m`` (the same number of carry-sized checkpoints).
+  with ``C = m`` (the same number of carry-sized checkpoints);
+- ``memento fit``: for each peer, the largest memento budget whose measured memory is no
+  larger than the peer's (target 1 asks for such a budget, not for one of the sweep's).
 
 For each: XLA's temporary memory of the jitted gradient, the median time (round-robin
 over the methods, see ``_common``), forward step evaluations (memento: the schedule's
@@ -240,6 +242,37 @@ def step_loops(params, xs, init) -> dict[str, _common.Compiled]:
 # One size
 
 
+def fit_budgets(methods, compiled, add_memento, compile_new, tries=4) -> None:
+    """Adds, for each peer, the largest memento budget no larger than the peer in memory.
+
+    memento's memory is close to affine in the budget, so the slots for a peer's memory
+    are interpolated between the measured budgets that bracket it, compiled, and the
+    bracket narrowed (regula falsi) until it closes or ``tries`` run out. Budgets that turn
+    out larger than the peer are dropped. Peers smaller than every budget get none
+    (target 1 then reports that no memento configuration is that small).
+    """
+    known = {m["slots"]: compiled[n].temp_bytes for n, m in methods.items() if "slots" in m}
+    peers = [n for n, m in methods.items() if not m["family"].startswith("memento")]
+    for peer in peers:
+        limit = compiled[peer].temp_bytes
+        for _ in range(tries):
+            below = max((m for m, b in known.items() if b <= limit), default=None)
+            above = [m for m, b in known.items() if b > limit and m > (below or 0)]
+            if below is None or not above:
+                break
+            above = min(above)
+            slope = (known[above] - known[below]) / (above - below)
+            guess = min(above - 1, below + int((limit - known[below]) / slope))
+            if guess <= below:
+                break
+            name = f"memento fit {peer} (m={guess})"
+            add_memento(name, "memento fit", guess, fits=peer)
+            compile_new()
+            known[guess] = compiled[name].temp_bytes
+            if known[guess] > limit:
+                del methods[name], compiled[name]
+
+
 def run_size(num_steps: int, hidden: int, batch: int, *, repeats: int, count: bool) -> dict:
     """All methods at one size; returns the JSON record of that size."""
     log(f"size T={num_steps} H={hidden} B={batch}")
@@ -275,21 +308,23 @@ def run_size(num_steps: int, hidden: int, batch: int, *, repeats: int, count: bo
         lambda s: _demo.scan_loss(functools.partial(nested_scan, segment=segment), s),
         2 * num_steps,
     )
-    for fraction in FRACTIONS:
-        slots = _demo.memory_slots(fraction, num_steps)
+
+    def add_memento(name, family, slots, **extra):
         schedule = _demo.schedule_for(step, *args, slots)
         add(
-            f"memento {fraction:.0%} (m={slots})",
-            "memento",
-            lambda s, slots=slots: _demo.scan_loss(
-                functools.partial(memento.scan, memory=slots), s
-            ),
+            name,
+            family,
+            lambda s: _demo.scan_loss(functools.partial(memento.scan, memory=slots), s),
             schedule.cost,
-            fraction=fraction,
             slots=slots,
             policy=schedule.policy,
             advances=recomputed_advances(schedule),
+            **extra,
         )
+
+    for fraction in FRACTIONS:
+        slots = _demo.memory_slots(fraction, num_steps)
+        add_memento(f"memento {fraction:.0%} (m={slots})", "memento", slots, fraction=fraction)
     for fraction in FRACTIONS:
         slots = _demo.memory_slots(fraction, num_steps)
         add(
@@ -302,10 +337,19 @@ def run_size(num_steps: int, hidden: int, batch: int, *, repeats: int, count: bo
         )
 
     compiled = {}
-    for name, m in methods.items():
-        c = _common.compile_fn(jax.grad(m["make"](step)), *args)
-        compiled[name] = c
-        log(f"  compiled {name}: {c.compile_s:.1f} s, temp {_common.mib(c.temp_bytes):.2f} MiB")
+
+    def compile_new():
+        for name, m in methods.items():
+            if name not in compiled:
+                c = _common.compile_fn(jax.grad(m["make"](step)), *args)
+                compiled[name] = c
+                log(
+                    f"  compiled {name}: {c.compile_s:.1f} s, "
+                    f"temp {_common.mib(c.temp_bytes):.2f} MiB"
+                )
+
+    compile_new()
+    fit_budgets(methods, compiled, add_memento, compile_new)
     reference = compiled["lax.scan"].first_output
     for name, m in methods.items():
         m["grad_error"] = _demo.max_relative_error(compiled[name].first_output, reference)
@@ -335,7 +379,7 @@ def run_size(num_steps: int, hidden: int, batch: int, *, repeats: int, count: bo
             "family": m["family"],
             **{
                 k: m[k]
-                for k in ("fraction", "slots", "checkpoints", "policy", "advances")
+                for k in ("fraction", "slots", "checkpoints", "policy", "advances", "fits")
                 if k in m
             },
             "temp_bytes": c.temp_bytes,
@@ -406,9 +450,9 @@ def evaluate_targets(size: dict, statistic: str = "median") -> list[dict]:
         for r in size["methods"]
     ]
     label = f"T={size['num_steps']} H={size['hidden']} B={size['batch']}"
-    ours = [r for r in rows if r["family"] in ("memento", "memento None")]
+    ours = [r for r in rows if r["family"].startswith("memento")]
     budgets = [r for r in rows if r["family"] == "memento"]
-    peers = [r for r in rows if r["family"] not in ("memento", "memento None")]
+    peers = [r for r in rows if not r["family"].startswith("memento")]
     by_name = {r["name"]: r for r in rows}
     out = []
 
@@ -558,6 +602,7 @@ _STYLE = {
     "checkpoint/step": ("s", "tab:green"),
     "nested sqrt(T)": ("D", "tab:purple"),
     "memento": ("o", "tab:blue"),
+    "memento fit": ("P", "tab:cyan"),
     "equinox": ("^", "tab:orange"),
 }
 
