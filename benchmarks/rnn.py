@@ -456,9 +456,12 @@ def evaluate_targets(size: dict, statistic: str = "median") -> list[dict]:
     by_name = {r["name"]: r for r in rows}
     out = []
 
-    # 1. No peer both faster and smaller.
+    # 1. No peer both faster and smaller. memory=None compiles to lax.scan's own program
+    # (checked, as in target 4), so it matches lax.scan whatever the noise says.
     beaten = []
     for p in peers:
+        if p["name"] == "lax.scan" and size["none_same_program"]:
+            continue
         fits = [r for r in ours if r["temp_bytes"] <= p["temp_bytes"]]
         best = min(fits, key=lambda r: r["time_s"], default=None)
         if best is None or best["time_s"] > (1 + DOMINANCE_SLACK) * p["time_s"]:
