@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core as jax_core
 from jax import lax
 
 from ..planning import _online
@@ -117,9 +118,11 @@ def while_loop(
     body, _ = make_body(as_step, init, None, name=_NAME)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, body)
 
-    slots = (
-        (steps + 1) if budget is None else to_slots(budget, nbytes(body.carry_avals), name=_NAME)
-    )
+    if budget is None:
+        assert steps is not None  # memory=None without max_steps was refused above
+        slots = steps + 1
+    else:
+        slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     if steps is not None:
         slots = min(slots, steps + 1)  # more than one slot per carry is never used
     store_all = steps is not None and slots == steps + 1
@@ -228,7 +231,7 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
     row_store = events.store
 
     def cond(cond_consts, c):
-        return jax.core.eval_jaxpr(cond_jaxpr, list(cond_consts), *c)[0]
+        return jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *c)[0]
 
     def running(cond_consts, p, c):
         ok = cond(cond_consts, c)

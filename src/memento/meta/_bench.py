@@ -31,7 +31,13 @@ def measure(fn: Callable, args: Sequence[Any], repeats: int = 5) -> dict[str, fl
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - start
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError(
+            f"XLA gives no memory analysis on the {jax.default_backend()!r} backend; "
+            "run this benchmark on CPU or GPU."
+        )
+    temp = memory.temp_size_in_bytes
     jax.block_until_ready(compiled(*args))  # Warm-up run, not timed.
     times = []
     for _ in range(repeats):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
 import numpy as np
@@ -29,6 +29,9 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from ._fwdrev import Mode, check_mode, fwdrev_grad
+
+if TYPE_CHECKING:
+    from ..loops._budget import Policy
 
 _NAME = "memento.meta.inner_loop"
 # The checkpoint name of the inner gradient (seed 004, Listing 3).
@@ -46,7 +49,7 @@ def inner_loop(
     remat: bool = True,
     save_inner_grads: bool = True,
     memory: int | str | None = None,
-    policy: str = "auto",
+    policy: Policy = "auto",
 ) -> Any:
     """Runs T inner optimiser steps; the result is differentiable w.r.t. `eta`.
 
@@ -142,19 +145,21 @@ def inner_loop(
     return theta
 
 
-def _is_factory(optimizer) -> bool:
+def _is_factory(optimizer) -> TypeGuard[Callable[[Any], optax.GradientTransformation]]:
     return callable(optimizer) and not isinstance(optimizer, optax.GradientTransformation)
 
 
 def _num_steps(batches) -> int:
     leaves = jax.tree.leaves(batches)
-    lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if not leaves or None in lengths or len(lengths) != 1:
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if not leaves or -1 in lengths or len(lengths) != 1:
+        sizes = sorted("None" if n < 0 else str(n) for n in lengths)
         raise ValueError(
             f"{_NAME}: batches must be a pytree whose leaves share a leading axis of length "
-            f"T (one slice per inner step); got leading sizes {sorted(map(str, lengths))}."
+            f"T (one slice per inner step); got leading sizes {sizes}."
         )
-    return lengths.pop()
+    (length,) = lengths
+    return length
 
 
 def _check_eps_root(opt: optax.GradientTransformation) -> None:
@@ -187,7 +192,7 @@ def _closure_values(obj, name: str, depth: int = 6, seen=None) -> list:
         for item in obj:
             found += _closure_values(item, name, depth - 1, seen)
     elif callable(obj) and getattr(obj, "__closure__", None):
-        for var, cell in zip(obj.__code__.co_freevars, obj.__closure__, strict=True):
+        for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
             try:
                 value = cell.cell_contents
             except ValueError:  # An empty cell.

@@ -70,7 +70,7 @@ def make_task(
         raise ValueError(f"make_task: task must be one of {TASKS}, got {task!r}.")
     k_init, k_meta, k_train, k_val = jax.random.split(jax.random.PRNGKey(seed), 4)
     tokens_shape = (batch_size, config.seq_len + 1)
-    data = {
+    data: dict[str, Any] = {
         "train": synthetic_tokens(k_train, (num_steps, *tokens_shape), config.vocab_size),
         "val": synthetic_tokens(k_val, tokens_shape, config.vocab_size),
     }

@@ -14,7 +14,7 @@ paper's "loop fusion" variant).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ LEARNING_RATE = 1e-3
 
 # name -> (how the inner gradient is taken, per-step remat with saved inner gradients,
 #          block remat: jax.checkpoint on each map i of Eq. 9)
-IMPLEMENTATIONS = {
+IMPLEMENTATIONS: dict[str, tuple[Literal["revrev", "listing", "fwdrev"], bool, bool]] = {
     # The default autodiff implementation (Algorithm 1): jax.grad of jax.grad.
     "default": ("revrev", False, False),
     # The default with block remat too, to show what remat alone buys it.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -68,13 +68,14 @@ def _int(fn: str, name: str, value, hint: str) -> int:
     return int(value)
 
 
-def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, str, int, int]:
+def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, Policy, int, int]:
     """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
     if not isinstance(policy, str) or policy not in _POLICIES:
         raise ValueError(
             f"{fn}: unknown policy {policy!r}; pass one of 'hsm' (hidden states), "
             "'ism' (internal states) or 'msm' (mixed, needs alpha)"
         )
+    policy = cast(Policy, policy)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
     m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
     if t < 1:
