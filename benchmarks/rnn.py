@@ -80,14 +80,11 @@ def recomputed_advances(schedule: memento.Schedule) -> int:
     return int(rows[rows[:, 0] == memento.planning.Op.ADVANCE, 1].sum())
 
 
-def model_time(row: dict, num_steps: int, t_forward: float, t_advance: float, t_backward: float):
+def model_time(evaluations, advances, num_steps, t_forward, t_advance, t_backward):
     """``(evals - A) * t_forward + A * t_advance + T * t_backward`` (None without evals)."""
-    if row["evaluations"] is None:
+    if evaluations is None:
         return None
-    advances = row.get("advances", 0)
-    return (
-        (row["evaluations"] - advances) * t_forward + advances * t_advance + num_steps * t_backward
-    )
+    return (evaluations - advances) * t_forward + advances * t_advance + num_steps * t_backward
 
 
 def log(message: str) -> None:
@@ -201,11 +198,12 @@ def equinox_issue_counts() -> list[dict]:
 def step_loops(params, xs, init) -> dict[str, _common.Compiled]:
     """Loops of T primal steps, T carry-only steps and T step VJPs.
 
-    They give t_forward, t_advance and t_backward; each is divided by T when timed, so that dispatch overhead does not count and the
-    loop's own overhead counts as it does in the executors. The VJP loop applies one
-    step's pullback (its residuals computed beforehand, as a backward pass reads them from
-    storage) T times, threading the carry cotangent and summing the others. They are
-    timed in the same round-robin as the methods, so they see the same machine load.
+    They give t_forward, t_advance and t_backward. Each is divided by T when timed, so
+    that dispatch overhead does not count and the loop's own overhead counts as it does
+    in the executors. The VJP loop applies one step's pullback (its residuals computed
+    beforehand, as a backward pass reads them from storage) T times, threading the carry
+    cotangent and summing the others. They are timed in the same round-robin as the
+    methods, so they see the same machine load.
     """
     num_steps = xs.shape[0]
 
@@ -257,10 +255,11 @@ def fit_budgets(methods, compiled, add_memento, compile_new, tries=4) -> None:
         limit = compiled[peer].temp_bytes
         for _ in range(tries):
             below = max((m for m, b in known.items() if b <= limit), default=None)
-            above = [m for m, b in known.items() if b > limit and m > (below or 0)]
-            if below is None or not above:
+            above = min(
+                (m for m, b in known.items() if b > limit and m > (below or 0)), default=None
+            )
+            if below is None or above is None:
                 break
-            above = min(above)
             slope = (known[above] - known[below]) / (above - below)
             guess = min(above - 1, below + int((limit - known[below]) / slope))
             if guess <= below:
@@ -373,7 +372,9 @@ def run_size(num_steps: int, hidden: int, batch: int, *, repeats: int, count: bo
         c = compiled[name]
         t = _common.median(times[name])
         evaluations = m["evaluations"]
-        predicted = model_time(m, num_steps, t_forward, t_advance, t_backward)
+        predicted = model_time(
+            evaluations, m.get("advances", 0), num_steps, t_forward, t_advance, t_backward
+        )
         row = {
             "name": name,
             "family": m["family"],
@@ -435,15 +436,17 @@ def evaluate_targets(size: dict, statistic: str = "median") -> list[dict]:
     t_advance = pick(size["t_advance_times_s"])
     t_backward = pick(size["t_backward_times_s"])
     num_steps = size["num_steps"]
+
+    def model(evaluations, advances):
+        return model_time(evaluations, advances, num_steps, t_forward, t_advance, t_backward)
+
     rows = [
         {
             **r,
             "time_s": r[key],
-            "time_vs_predicted": r[key]
-            / model_time(r, num_steps, t_forward, t_advance, t_backward),
+            "time_vs_predicted": r[key] / model(r["evaluations"], r.get("advances", 0)),
             # The issue's model: every evaluation at t_forward.
-            "time_vs_plain": r[key]
-            / model_time({**r, "advances": 0}, num_steps, t_forward, t_advance, t_backward),
+            "time_vs_plain": r[key] / model(r["evaluations"], 0),
         }
         if r["evaluations"] is not None
         else {**r, "time_s": r[key]}
