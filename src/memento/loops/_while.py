@@ -287,8 +287,8 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
 # ----------------------------------------------------------------------------------------
 # Hidden slots: one typed buffer per carry leaf, with a leading slot axis. The while loop
 # keeps carries only, all of one size, so it needs none of scan's word pool (`_pool`), which
-# exists to let hidden and internal states of different sizes share one budget; typed
-# buffers are also the cheapest to write and read.
+# exists to let hidden and internal states of different sizes share one budget (the two
+# cost about the same to write and read: benchmarks/pool.py).
 
 
 def _write(buffers, index, values, when=None):

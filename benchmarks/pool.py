@@ -1,0 +1,145 @@
+"""Storing a step's residuals: the word pool of `memento.scan` against typed buffers.
+
+The question: what does it cost, per step, to write one step's internal state (the
+residual leaves of an LSTM step's VJP, as `memento.scan` stores them) into slot storage
+and read it back, for
+
+- ``typed``: one buffer per leaf with a leading slot axis (what `memento.while_loop` uses
+  for carries);
+- ``pool uint32``: `memento.loops._pool` with 4-byte words (float32 leaves keep their
+  shape), what `memento.scan` uses for float32 states;
+- ``pool uint8``: the same pool with 1-byte words (what it used before words).
+
+Each variant is a loop writing T states, then a loop reading them back in reverse and
+summing them; ``no storage`` makes and sums the same states without storing them, and
+its time is subtracted. Same process, round-robin timing (see ``_common``).
+
+Run:
+    /work/venv/bin/python benchmarks/pool.py            # ~1 min
+Writes benchmarks/results/pool.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+from memento.loops import _body, _demo, _pool
+
+
+def residual_leaves(hidden: int, batch: int) -> list:
+    """The stored residual leaves of one LSTM step, as `memento.scan` finds them."""
+    params = _demo.lstm_params(jax.random.PRNGKey(0), hidden)
+    xs, init = _demo.lstm_data(jax.random.PRNGKey(1), 1, hidden, batch)
+    x = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
+    body, _ = _body.make_body(lambda c, x: _demo.lstm_step(params, c, x), init, x, name="pool")
+    return [jnp.ones(a.shape, a.dtype) for a in body.residual_spec().stored]
+
+
+def variants(leaves: list, num_steps: int) -> dict:
+    """name -> function of the leaves returning a scalar (jitted by the caller)."""
+
+    def state(leaves, i):
+        return [leaf * (1 + i.astype(leaf.dtype)) for leaf in leaves]
+
+    def total(values):
+        return sum(jnp.sum(v) for v in values)
+
+    def none(leaves):
+        return lax.fori_loop(0, num_steps, lambda i, acc: acc + total(state(leaves, i)), 0.0)
+
+    def typed(leaves):
+        buffers = [jnp.zeros((num_steps, *leaf.shape), leaf.dtype) for leaf in leaves]
+
+        def put(i, bufs):
+            return [
+                lax.dynamic_update_index_in_dim(b, v, i, 0) for b, v in zip(bufs, state(leaves, i))
+            ]
+
+        def get(j, acc):
+            i = num_steps - 1 - j
+            return acc + total(lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in bufs)
+
+        bufs = lax.fori_loop(0, num_steps, put, buffers)
+        return lax.fori_loop(0, num_steps, get, 0.0)
+
+    def pooled(word):
+        def run(leaves):
+            unit = _pool.unit_words(_body.nbytes(leaves), word)
+            pool = _pool.allocate(num_steps, unit, word)
+
+            def put(i, pool):
+                return _pool.write(pool, i, state(leaves, i), unit)
+
+            def get(j, acc):
+                return acc + total(_pool.read(pool, num_steps - 1 - j, leaves, unit))
+
+            pool = lax.fori_loop(0, num_steps, put, pool)
+            return lax.fori_loop(0, num_steps, get, 0.0)
+
+        return run
+
+    return {
+        "no storage": none,
+        "typed": typed,
+        "pool uint32": pooled(4),
+        "pool uint8": pooled(1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    _common.use_one_thread()
+
+    leaves = residual_leaves(args.hidden, args.batch)
+    state_bytes = _body.nbytes(leaves)
+    compiled = {
+        name: _common.compile_fn(f, leaves) for name, f in variants(leaves, args.steps).items()
+    }
+    reference = float(compiled["no storage"].first_output)
+    for name, c in compiled.items():  # every variant sums the same states
+        got = float(c.first_output)
+        if abs(got - reference) > 1e-4 * abs(reference):
+            raise SystemExit(f"{name}: sum {got} differs from {reference}")
+    times = _common.time_round_robin(
+        {name: c.call for name, c in compiled.items()}, repeats=args.repeats
+    )
+    base = _common.median(times["no storage"])
+    rows = []
+    print(
+        f"{len(leaves)} residual leaves, {state_bytes / 1024:.1f} KiB a step "
+        f"(LSTM H={args.hidden}, B={args.batch}), T={args.steps}"
+    )
+    for name in compiled:
+        per_step = (_common.median(times[name]) - base) / args.steps
+        rows.append({"name": name, "times_s": times[name], "store_and_load_us": per_step * 1e6})
+        print(f"  {name:12s} write + read: {per_step * 1e6:6.2f} us a step")
+    _common.write_json(
+        Path(args.out) / "pool.json",
+        {
+            "benchmark": "pool",
+            "machine": _common.machine(),
+            "leaves": len(leaves),
+            "state_bytes": state_bytes,
+            "steps": args.steps,
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
