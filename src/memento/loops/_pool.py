@@ -9,8 +9,8 @@ one flat pool, where a unit holds one carry.
 The word is the smallest item size among the stored leaves, at most 4 bytes, so a float32
 state is bitcast to ``uint32`` of the same shape. ``benchmarks/pool.py`` measures writing
 and reading back an LSTM step's 14 residual leaves (60 KiB) on CPU: through a ``uint32``
-pool it costs about what typed per-leaf buffers cost (34-40 us against 36-47 us a step
-over three runs on a slow shared host), through a ``uint8`` pool about 1.6x more (58-64
+pool it costs about what typed per-leaf buffers cost (32-40 us against 36-47 us a step
+over four runs on a slow shared host), through a ``uint8`` pool about 1.6x more (58-64
 us): bitcasts that add a byte axis are not free in XLA:CPU.
 
 The planner's schedules use their slots as a stack (Algorithm 2 of Gruslys et al.: a state
