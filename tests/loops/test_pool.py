@@ -1,4 +1,4 @@
-"""The byte pool: exact round trips for every dtype, stack offsets within the budget."""
+"""The typed pools: exact round trips for every dtype, tangents, sizes within the budget."""
 
 import jax
 import jax.numpy as jnp
@@ -9,54 +9,84 @@ import memento
 from memento.loops import _pool
 
 
-def _round_trip(leaves, expected_word):
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    word = _pool.word_bytes(avals)
-    assert word == expected_word
-    size = sum(x.size * x.dtype.itemsize for x in leaves)
-    unit = _pool.unit_words(16, word)  # a 16-byte carry
-    units = -(-size // (unit * word))
-    pool = _pool.allocate(2 + units, unit, word)
-    assert pool.dtype.itemsize == word and pool.shape == ((2 + units) * unit,)
-    pool = _pool.write(pool, 2, leaves, unit)
-    for a, b in zip(leaves, _pool.read(pool, 2, avals, unit)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # a masked write changes nothing
-    same = _pool.write(pool, 2, [x * 0 for x in leaves[:1]], unit, when=False)
-    np.testing.assert_array_equal(np.asarray(same), np.asarray(pool))
+def _pools(hidden, internal, base=10):
+    avals = lambda xs: [jax.typeof(x) for x in xs]  # noqa: E731
+    # room for one hidden state below one internal state, and one internal state alone
+    return _pool.Pools.of(avals(hidden), avals(internal), np.array([[1, 1], [0, 1]]), base)
+
+
+def _every_dtype():
+    return [
+        jnp.arange(6, dtype=jnp.float64).reshape(2, 3) / 7,
+        jnp.array([1.5, -2.25], jnp.bfloat16),
+        jnp.array([0.5, 3.0], jnp.float16),
+        jnp.array([[1, -2]], jnp.int32),
+        jnp.array([True, False, True]),
+        jnp.array(3, jnp.uint8),
+        jnp.array([0.1], jnp.float32),
+        jnp.array([1 + 2j, -0.5j], jnp.complex64),
+        jnp.array([[3 - 1j]], jnp.complex128),
+        jax.random.split(jax.random.key(3), 2),
+        jnp.asarray(0.25),  # weakly typed
+    ]
+
+
+def _same(a, b):
+    assert jax.typeof(a) == jax.typeof(b)  # dtype, shape and weak type
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_write_read_round_trip_every_dtype():
     with jax.enable_x64(True):
-        mixed = [
-            jnp.arange(6, dtype=jnp.float64).reshape(2, 3) / 7,
-            jnp.array([1.5, -2.25], jnp.bfloat16),
-            jnp.array([[1, -2]], jnp.int32),
-            jnp.array([True, False, True]),
-            jnp.array(3, jnp.uint8),
-            jnp.array([0.1], jnp.float32),
-        ]
-        _round_trip(mixed, 1)  # bytes
-        _round_trip([mixed[0], mixed[2], mixed[5]], 4)  # float64 as two words
-        _round_trip([mixed[1], mixed[5]], 2)
-    # The common case: float32 leaves go in as uint32 of the same shape.
-    _round_trip([jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 3, jnp.ones(5)], 4)
+        leaves = _every_dtype()
+        hidden = [jnp.ones(3), jnp.array([7], jnp.int32)]
+        p = _pools(hidden, leaves)
+        pools = p.allocate()
+        assert [x.dtype for x in pools] == list(p.dtypes)  # typed: no words, no bitcasts
+        pools = p.write(pools, 0, hidden, "h")
+        pools = p.write(pools, 1, leaves, "i")  # above the hidden state
+        for a, b in zip(leaves, p.read(pools, 1, "i")):
+            _same(a, b)
+        for a, b in zip(hidden, p.read(pools, 0, "h")):
+            _same(a, b)
+        # a masked write changes nothing
+        same = p.write(pools, 1, [x * 0 for x in leaves[:1]], "i", when=False)
+        for a, b in zip(same, pools):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_empty_carry_still_has_a_unit():
-    assert _pool.unit_words(0, 4) == 1
-    assert _pool.unit_words(6, 4) == 2
+def test_tangents_flow_through_the_pools():
+    # The word pool's bitcasts dropped tangents: jvp(grad) through a budgeted scan was wrong.
+    with jax.enable_x64(True):
+        leaves = [jnp.arange(3.0), jnp.array([1 + 1j], jnp.complex128)]
+        p = _pools([jnp.ones(2)], leaves)
+
+        def round_trip(leaves):
+            return p.read(p.write(p.allocate(), 1, leaves, "i"), 1, "i")
+
+        tangents = [jnp.array([1.0, -2.0, 3.0]), jnp.array([2j])]
+        _, out = jax.jvp(round_trip, (leaves,), (tangents,))
+        for a, b in zip(out, tangents):
+            _same(a, b)
 
 
 @pytest.mark.parametrize("policy,alpha", [("hsm", None), ("ism", 3), ("msm", 3), ("msm", 8)])
 @pytest.mark.parametrize("steps,memory", [(1, 8), (40, 8), (97, 24), (300, 60)])
-def test_stack_offsets_fit_the_budget(policy, alpha, steps, memory):
+def test_pools_fit_the_budget(policy, alpha, steps, memory):
+    from memento.loops import _scan
+    from memento.loops._interpreter import _stack_tops
+
     schedule = memento.plan(steps, memory, policy=policy, alpha=alpha)
-    rows, units = _pool.stack_offsets(schedule, alpha or 1)
+    prog = _scan._compile(schedule)
+    assert not np.isin(prog.primal_rows[:, 0], (-1,)).any()
+    # a carry of 4 float32 numbers; an internal state of alpha carries, output included
+    carry = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    internal = [jax.ShapeDtypeStruct((4 * (alpha or 1),), jnp.float32)]
+    p = _pool.Pools.of(carry, internal, _stack_tops(prog), prog.internal_units)
     # h_0 is the caller's input, not in the pool; HSM and MSM count it in the budget.
-    assert units <= memory - int(schedule.counts_initial)
-    assert not np.isin(rows[:, 0], (memento.Op.FREE_HIDDEN, memento.Op.FREE_INTERNAL)).any()
+    assert p.sizes[0] <= 4 * (memory - int(schedule.counts_initial))
 
 
 def test_out_of_stack_order_is_refused():

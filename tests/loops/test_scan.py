@@ -114,13 +114,17 @@ def test_pytrees_ints_reverse_and_xs_none():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_low_precision_matches_lax_scan(dtype):
-    w, h0, xs = (a.astype(dtype) for a in rnn_params())
-    ref = GRAD(rnn_loss)(lax.scan, w, h0, xs)
-    got = GRAD(rnn_loss)(budgeted(memory=3), w, h0, xs)
-    for a, b in zip(got, ref):
+    # Rounding differs with the order of accumulation, so both are held against the
+    # float64 gradient: memento's error is no larger than twice lax.scan's own.
+    params = rnn_params()
+    exact = GRAD(rnn_loss)(lax.scan, *params)
+    low = [a.astype(dtype) for a in params]
+    ref = GRAD(rnn_loss)(lax.scan, *low)
+    got = GRAD(rnn_loss)(budgeted(memory=3), *low)
+    for a, b, e in zip(got, ref, exact):
         assert a.dtype == b.dtype == dtype
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    assert_trees_close(got, ref, rtol=tol, atol=tol)
+        err = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float64) - e)))  # noqa: B023
+        assert err(a) <= 2 * err(b) + 1e-6 * float(jnp.max(jnp.abs(e)))
 
 
 def test_vmap_outside_and_inside():
@@ -241,7 +245,9 @@ def test_forward_evaluations_equal_schedule_cost(policy, memory):
 def _sizes(cell, h0, x):
     from memento.loops._body import make_body, nbytes
 
-    body, _ = make_body(cell, h0, jax.ShapeDtypeStruct(x.shape, x.dtype), name="t")
+    body = make_body(cell, h0, jax.ShapeDtypeStruct(x.shape, x.dtype), name="t")
+    # grad(loss)(h0, xs) perturbs h0 only: that is what the executor differentiates.
+    body = body.restrict([False] * len(body.consts), [True], [False])
     return nbytes(body.residual_spec().stored), nbytes(body.carry_avals)
 
 
@@ -299,12 +305,13 @@ def test_temp_memory_follows_budget_not_steps():
 def test_bad_input(kwargs, exc, pattern):
     w, h0, xs = rnn_params()
     with pytest.raises(exc, match=re.escape(pattern) if "." not in pattern else pattern):
-        rnn_loss(budgeted(**kwargs), w, h0, xs)
+        # The plan is made when the gradient is traced (from what it differentiates).
+        GRAD(rnn_loss)(budgeted(**kwargs), w, h0, xs)
 
 
 def test_bad_body():
     _, h0, xs = rnn_params()
-    with pytest.raises(TypeError, match="changes a carry leaf from float64"):
+    with pytest.raises(TypeError, match=r"differs at carry: float64\[3\] in, float32\[3\] out"):
         memento.scan(lambda h, x: (h.astype(jnp.float32), None), h0, xs, memory=2)
     with pytest.raises(TypeError, match="output carry has structure"):
         memento.scan(lambda h, x: ((h, h), None), h0, xs, memory=2)

@@ -15,7 +15,6 @@ total size measures the paper's alpha.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,16 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core as jax_core
+from jax.extend import core as jex_core
+from jax import lax
+
+from ._pool import from_storage
+from ._pool import nbytes as nbytes
 
 Leaves = list[Any]
 
 
 def is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def nbytes(leaves) -> int:
-    return sum(math.prod(np.shape(l)) * jnp.dtype(l.dtype).itemsize for l in leaves)
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    return jax.dtypes.issubdtype(dtype, np.inexact)
 
 
 def split(leaves: Sequence, mask: Sequence[bool]) -> tuple[Leaves, Leaves]:
@@ -52,8 +53,8 @@ def float0_zeros(x):
 class ResidualSpec:
     """Where each leaf of a step's pullback comes from.
 
-    ``source[i]`` is ``("const", j)`` or ``("x", j)`` for leaves that are a differentiable
-    const or x leaf of the step, else ``("stored", j)``: the j-th stored residual.
+    ``source[i]`` is ``("const", j)`` or ``("x", j)`` for leaves that are the j-th const or
+    x leaf of the step, else ``("stored", j)``: the j-th stored residual.
     """
 
     treedef: Any
@@ -68,7 +69,10 @@ class Body:
     Attributes:
         consts: closed-over values, the differentiable "parameters" of the loop.
         carry_tree, x_tree, y_tree: pytree structures.
-        carry_avals, x_avals, y_avals: flat ``ShapeDtypeStruct``s (x: one step's slice).
+        carry_avals, x_avals, y_avals: flat ``ShapeDtypeStruct``s (x: one step's slice),
+            weak types included.
+        const_mask, carry_mask, x_mask, y_mask: the leaves a step's VJP differentiates:
+            every float leaf, or after `restrict` only those that are perturbed.
     """
 
     jaxpr: Any
@@ -79,33 +83,60 @@ class Body:
     carry_avals: tuple[jax.ShapeDtypeStruct, ...]
     x_avals: tuple[jax.ShapeDtypeStruct, ...]
     y_avals: tuple[jax.ShapeDtypeStruct, ...]
+    const_mask: tuple[bool, ...] = ()
+    carry_mask: tuple[bool, ...] = ()
+    x_mask: tuple[bool, ...] = ()
+    y_mask: tuple[bool, ...] = ()
 
-    # -- masks of differentiable (inexact) leaves ---------------------------------------
-    @property
-    def const_mask(self) -> list[bool]:
-        return [is_float(c) for c in self.consts]
+    def __post_init__(self):
+        for name, leaves in (
+            ("const_mask", self.consts),
+            ("carry_mask", self.carry_avals),
+            ("x_mask", self.x_avals),
+            ("y_mask", self.y_avals),
+        ):
+            if not getattr(self, name):
+                object.__setattr__(self, name, tuple(is_float(a) for a in leaves))
 
-    @property
-    def carry_mask(self) -> list[bool]:
-        return [is_float(a) for a in self.carry_avals]
+    def restrict(self, consts: Sequence[bool], init: Sequence[bool], xs: Sequence[bool]) -> Body:
+        """The body differentiated only where it must be, given which float consts, initial
+        carry leaves and xs leaves are perturbed (need a cotangent).
 
-    @property
-    def x_mask(self) -> list[bool]:
-        return [is_float(a) for a in self.x_avals]
+        A carry leaf is perturbed if its initial value is, or if a step makes it depend on
+        a perturbed input: the fixed point of `_depends` over steps, as ``lax.scan``'s
+        own JVP finds it. Leaves that are not perturbed are closed over, not
+        differentiated, so a step may apply ops without a reverse rule to them.
+        """
+        k = [m and p for m, p in zip(self.const_mask, consts)]
+        x = [m and p for m, p in zip(self.x_mask, xs)]
+        c = [m and p for m, p in zip(self.carry_mask, init)]
+        n = len(self.carry_avals)
+        while True:
+            out = _depends(self.jaxpr, k + c + x)
+            new_c = [a or (m and b) for a, b, m in zip(c, out[:n], self.carry_mask)]
+            if new_c == c:
+                break
+            c = new_c
+        y = [m and b for m, b in zip(self.y_mask, out[n:])]
+        return dataclasses.replace(
+            self, const_mask=tuple(k), carry_mask=tuple(c), x_mask=tuple(x), y_mask=tuple(y)
+        )
 
-    @property
-    def y_mask(self) -> list[bool]:
-        return [is_float(a) for a in self.y_avals]
+    def cast_carry(self, leaves: Sequence) -> Leaves:
+        """Initial carry leaves typed as `carry_avals` (see `make_body`)."""
+        return [_as_aval(jnp.asarray(c), a) for c, a in zip(leaves, self.carry_avals)]
 
     # -- evaluation ---------------------------------------------------------------------
     def __call__(self, consts: Sequence, carry: Sequence, x: Sequence) -> tuple[Leaves, Leaves]:
-        """One primal step on flat leaves: ``(carry, y)``."""
+        """One primal step on flat leaves: ``(carry, y)``, typed exactly as the avals
+        (literal outputs become arrays; a weak type follows the input carry's)."""
         out = jax_core.eval_jaxpr(self.jaxpr, list(consts), *carry, *x)
+        out = [_as_aval(o, a) for o, a in zip(out, self.carry_avals + self.y_avals)]
         n = len(self.carry_avals)
-        return list(out[:n]), list(out[n:])
+        return out[:n], out[n:]
 
     def _diff_fn(self, consts, carry, x) -> tuple[Callable, Leaves, Leaves, Leaves]:
-        """The step as a function of its float leaves, with the int leaves closed over."""
+        """The step as a function of its differentiated leaves, the others closed over."""
         kf, ki = split(consts, self.const_mask)
         cf, ci = split(carry, self.carry_mask)
         xf, xi = split(x, self.x_mask)
@@ -125,8 +156,8 @@ class Body:
         """Runs one step keeping its residuals.
 
         Returns:
-            ``(carry_out, y, pullback)``, the pullback mapping ``(ct_carry_f, ct_y_f)`` (float
-            leaves only) to ``(ct_consts_f, ct_carry_f, ct_x_f)``.
+            ``(carry_out, y, pullback)``, the pullback mapping ``(ct_carry_f, ct_y_f)``
+            (differentiated leaves only) to ``(ct_consts_f, ct_carry_f, ct_x_f)``.
         """
         g, kf, cf, xf = self._diff_fn(consts, carry, x)
         (c_f, y_f), pullback, (c_i, y_i) = jax.vjp(g, kf, cf, xf, has_aux=True)
@@ -135,38 +166,66 @@ class Body:
         return c, y, pullback
 
     def residual_spec(self) -> ResidualSpec:
-        """Traces `linearize` abstractly to find which pullback leaves must be stored."""
+        """Traces `linearize` abstractly to find which pullback leaves must be stored.
+
+        The probe sees exactly the avals (weak types included) that every later call
+        sees, so the trace it makes is the one `save` makes.
+        """
         found = {}
 
         def probe(consts, carry, x):
             _, _, pullback = self.linearize(consts, carry, x)
             leaves, treedef = jax.tree_util.tree_flatten(pullback)
-            kf, _ = split(consts, self.const_mask)
-            xf, _ = split(x, self.x_mask)
             found["treedef"] = treedef
-            found["source"] = _sources(leaves, kf, xf)
+            found["source"] = self._sources(leaves, consts, x)
             return [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
 
         stored = jax.eval_shape(probe, _avals(self.consts), self.carry_avals, self.x_avals)
         return ResidualSpec(found["treedef"], found["source"], tuple(stored))
 
+    def _sources(self, leaves, consts, x):
+        return _sources(leaves, consts, x)
+
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``."""
         c, y, pullback = self.linearize(consts, carry, x)
         leaves = jax.tree_util.tree_leaves(pullback)
-        kf, _ = split(consts, self.const_mask)
-        xf, _ = split(x, self.x_mask)
-        if _sources(leaves, kf, xf) != spec.source:  # pragma: no cover - JAX invariant
-            raise RuntimeError("memento: the step's residual structure changed between traces")
+        if self._sources(leaves, consts, x) != spec.source:
+            raise RuntimeError(  # the probe and this call saw different input types
+                "memento: internal error: a step's residuals differ from those probed (input "
+                f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
+            )
         return c, y, [l for l, (kind, _) in zip(leaves, spec.source) if kind == "stored"]
 
     def restore(self, spec: ResidualSpec, stored, consts, x) -> Callable:
         """Rebuilds the pullback of a step from its stored residuals."""
-        kf, _ = split(consts, self.const_mask)
-        xf, _ = split(x, self.x_mask)
-        pools = {"const": kf, "x": xf, "stored": list(stored)}
+        pools = {"const": list(consts), "x": list(x), "stored": list(stored)}
         leaves = [pools[kind][j] for kind, j in spec.source]
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
+
+
+def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` (constvars then invars in) depend on the marked inputs.
+
+    Forward propagation over equations, conservative for higher-order primitives (every
+    output of an equation depends on every input). Integer outputs never count.
+    """
+    marked = {v for v, m in zip([*jaxpr.constvars, *jaxpr.invars], inputs) if m}
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in marked for v in eqn.invars):
+            marked.update(v for v in eqn.outvars if is_float(v.aval))
+    return [isinstance(v, jex_core.Var) and v in marked for v in jaxpr.outvars]
+
+
+def _as_aval(x, aval):
+    """``x`` (an array or a literal's value) typed as ``aval``: a no-op when it already is."""
+    if hasattr(x, "dtype") and jax.typeof(x) == jax.core.ShapedArray(
+        aval.shape, aval.dtype, weak_type=aval.weak_type
+    ):
+        return x
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        return x
+    return from_storage(lax.convert_element_type(x, aval.dtype), aval)
 
 
 def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead: str):
@@ -198,21 +257,39 @@ def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _aval(x) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    a = jax.typeof(x)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+
+
 def _avals(leaves) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(np.shape(l), jnp.result_type(l)) for l in leaves]
+    """Exact avals of ``leaves``: shape, dtype and weak type."""
+    return [_aval(l) for l in leaves]
 
 
-def make_body(f: Callable, init, x_example, *, name: str) -> tuple[Body, Any]:
-    """Traces ``f(init, x_example)`` once; returns the `Body` and the output pytree.
+def _type_str(a) -> str:
+    return f"{a.dtype}{list(a.shape)}" + (" (weakly typed)" if a.weak_type else "")
+
+
+def make_body(f: Callable, init, x_example, *, name: str) -> Body:
+    """Traces ``f(init, x_example)``; returns the `Body`.
+
+    As ``lax.scan``, an initial carry leaf that is weakly typed (a Python scalar, say)
+    takes the dtype that the body gives it (``0`` with ``int8`` inputs carries ``int8``):
+    the body is traced a second time when that happens. Pass the initial carry through
+    `Body.cast_carry` before running the loop.
 
     Raises:
         TypeError: if ``f`` does not return a ``(carry, y)`` pair whose carry has the
-            structure, shapes and dtypes of ``init`` (as ``lax.scan`` requires).
+            structure, shapes and dtypes of ``init`` (as ``lax.scan`` requires); the
+            message names every leaf that differs.
     """
     carry_leaves, carry_tree = jax.tree_util.tree_flatten(init)
     x_leaves, x_tree = jax.tree_util.tree_flatten(x_example)
-    carry_avals = tuple(_avals(carry_leaves))
     x_avals = tuple(_avals(x_leaves))
+    found: dict[str, Any] = {}
 
     def flat_f(c, x):
         out = f(
@@ -229,21 +306,36 @@ def make_body(f: Callable, init, x_example, *, name: str) -> tuple[Body, Any]:
                 f"{name}: the body's output carry has structure {new_tree}, but the input "
                 f"carry has structure {carry_tree}; return a carry of the same structure."
             )
-        for a, b in zip(carry_avals, _avals(new_leaves)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise TypeError(
-                    f"{name}: the body changes a carry leaf from {a.dtype}{list(a.shape)} to "
-                    f"{b.dtype}{list(b.shape)}; the carry must keep its shapes and dtypes "
-                    "(cast inside the body)."
-                )
-        y_leaves, y_tree = jax.tree_util.tree_flatten(y)
-        found["y_tree"] = y_tree
+        y_leaves, found["y_tree"] = jax.tree_util.tree_flatten(y)
         return new_leaves + y_leaves
 
-    found: dict[str, Any] = {}
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(list(carry_avals), list(x_avals))
+    def trace(carry_avals):
+        return jax.make_jaxpr(flat_f, return_shape=True)(list(carry_avals), list(x_avals))
+
+    carry_avals = tuple(_avals(carry_leaves))
+    closed, out_shape = trace(carry_avals)
+    promoted = tuple(
+        jax.ShapeDtypeStruct(a.shape, jnp.result_type(np.dtype(a.dtype).type(0).item(), b.dtype))
+        if a.weak_type and (a.dtype != b.dtype or not b.weak_type)
+        else a
+        for a, b in zip(carry_avals, out_shape)
+    )
+    if promoted != carry_avals:
+        carry_avals = promoted
+        closed, out_shape = trace(carry_avals)
     n = len(carry_avals)
-    body = Body(
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
+    wrong = [
+        f"carry{p}: {_type_str(a)} in, {_type_str(b)} out"
+        for p, a, b in zip(paths, carry_avals, out_shape[:n])
+        if a.shape != b.shape or a.dtype != b.dtype
+    ]
+    if wrong:
+        raise TypeError(
+            f"{name}: the body must return a carry with the shapes and dtypes of the initial "
+            f"carry (cast inside the body, or change init); differs at {'; '.join(wrong)}."
+        )
+    return Body(
         jaxpr=closed.jaxpr,
         consts=list(closed.consts),
         carry_tree=carry_tree,
@@ -251,6 +343,5 @@ def make_body(f: Callable, init, x_example, *, name: str) -> tuple[Body, Any]:
         y_tree=found["y_tree"],
         carry_avals=carry_avals,
         x_avals=x_avals,
-        y_avals=tuple(out_shape[n:]),
+        y_avals=tuple(_avals(out_shape[n:])),
     )
-    return body, found["y_tree"]

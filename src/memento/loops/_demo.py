@@ -97,7 +97,7 @@ def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
     from the step's residuals.
     """
     x_example = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
-    body, _ = make_body(lambda c, x: step(params, c, x), init, x_example, name="memento demo")
+    body = make_body(lambda c, x: step(params, c, x), init, x_example, name="memento demo")
     carry_bytes = nbytes(body.carry_avals)
     slots = to_slots(parse_memory(memory, name="memento demo"), carry_bytes, name="memento demo")
     alpha = internal_slots(nbytes(body.residual_spec().stored), carry_bytes)

@@ -16,16 +16,14 @@ schedule puts before that step's backward (advance, save, load; dispatched by
 its stored internal state or fused with one more forward evaluation. Cotangents of the
 consts are accumulated once per step, as ``lax.scan``'s own transpose does.
 
-Slots live in one preallocated pool of words (`_pool`): a hidden state takes one
-carry-sized unit, an internal state (the stored residual leaves, plus the output carry
-when the schedule loads it) ``internal_units`` units, at offsets fixed when the schedule
-is compiled.
+Slots live in preallocated typed pools, one per dtype (`_pool`), shared by hidden states
+and internal states (the stored residual leaves, plus the output carry when the schedule
+loads it) at offsets fixed by the state's place on the schedule's stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +32,7 @@ from jax import lax
 
 from ..planning import Op, Schedule
 from . import _pool
-from ._body import Body, ResidualSpec, nbytes, split
+from ._body import Body, ResidualSpec, split
 
 # Indices of the primal branches of the inner switch.
 _PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
@@ -142,54 +140,77 @@ def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
 
 @dataclasses.dataclass
 class Slots:
-    """The slot pool: a flat array of unsigned words, one unit per carry (see `_pool`).
+    """The slot pools: one flat typed array per stored dtype (see `_pool`)."""
 
-    Hidden states take one unit, internal states (stored residuals, then the output carry
-    when the schedule loads it) ``internal_units``; offsets come from the program's rows.
-    """
+    pools: list
 
-    pool: Any
+
+jax.tree_util.register_dataclass(Slots, data_fields=["pools"], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Layout:
-    """How states are laid out in the pool for one body and program."""
+    """How one body's states are laid out in the pools for one program.
 
-    carry_avals: tuple
-    internal_avals: tuple
-    pool_units: int
-    word: int  # bytes per pool word
-    unit_words: int
+    Programs are compiled with ``internal_units = base`` (`_scan`): a row's ``arg`` then
+    encodes how many hidden and internal states lie below the state on the stack, which
+    fixes its offset in every typed pool (`_pool.Pools`).
+    """
+
+    pools: _pool.Pools
+    has_hidden: bool  # whether any hidden state is stored (else h_0 is the only one)
 
     @staticmethod
     def of(prog: Program, body: Body, spec: ResidualSpec) -> _Layout:
         extra = tuple(body.carry_avals) if prog.loads_internal else ()
-        carry, internal = tuple(body.carry_avals), tuple(spec.stored) + extra
-        word = _pool.word_bytes(carry + internal)
-        units = _pool.unit_words(nbytes(carry), word)
-        return _Layout(carry, internal, prog.pool_units, word, units)
+        internal = tuple(spec.stored) + extra
+        tops = _stack_tops(prog)
+        pools = _pool.Pools.of(body.carry_avals, internal, tops, prog.internal_units)
+        return _Layout(pools, bool((tops[:, 0] > 0).any()))
 
     def allocate(self) -> Slots:
-        return Slots(_pool.allocate(self.pool_units, self.unit_words, self.word))
+        return Slots(self.pools.allocate())
 
-    def save_hidden(self, slots: Slots, offset, c, when=None) -> Slots:
-        return Slots(_pool.write(slots.pool, offset, c, self.unit_words, when))
+    def save_hidden(self, slots: Slots, arg, c, when=None) -> Slots:
+        return Slots(self.pools.write(slots.pools, arg, c, "h", when))
 
-    def load_hidden(self, slots: Slots, init, offset):
-        """``h`` at ``offset``, or ``init`` for offset -1 (the caller's ``h_0``)."""
-        if slots.pool.shape[0] == 0:
+    def load_hidden(self, slots: Slots, init, arg):
+        """``h`` stored at ``arg``, or ``init`` for ``arg = -1`` (the caller's ``h_0``)."""
+        if not self.has_hidden:
             return list(init)
-        stored = _pool.read(slots.pool, offset, self.carry_avals, self.unit_words)
-        return [jnp.where(offset < 0, a, b) for a, b in zip(init, stored)]
+        avals = self.pools.hidden_avals
+        stored = self.pools.read(slots.pools, arg, "h", stored=True)
+        return [
+            _pool.from_storage(jnp.where(arg < 0, _pool.to_storage(a, v), b), v)
+            for a, b, v in zip(init, stored, avals)
+        ]
 
-    def save_internal(self, slots: Slots, offset, leaves, when=None) -> Slots:
-        return Slots(_pool.write(slots.pool, offset, leaves, self.unit_words, when))
+    def save_internal(self, slots: Slots, arg, leaves, when=None) -> Slots:
+        return Slots(self.pools.write(slots.pools, arg, leaves, "i", when))
 
-    def load_internal(self, slots: Slots, offset):
-        return _pool.read(slots.pool, offset, self.internal_avals, self.unit_words)
+    def load_internal(self, slots: Slots, arg):
+        return self.pools.read(slots.pools, arg, "i")
 
 
-jax.tree_util.register_dataclass(Slots, data_fields=["pool"], meta_fields=[])
+def _stack_tops(prog: Program) -> np.ndarray:
+    """``(nh, ni)`` on the stack after each save of the program (see `_Layout`)."""
+    base = prog.internal_units
+    rows = prog.primal_rows
+    hidden = np.concatenate(
+        [prog.save_hidden[prog.save_hidden >= 0], rows[rows[:, 0] == _BRANCH[Op.SAVE_HIDDEN], 1]]
+    )
+    internal = np.concatenate(
+        [
+            prog.save_internal[prog.save_internal >= 0],
+            rows[rows[:, 0] == _BRANCH[Op.SAVE_INTERNAL], 1],
+        ]
+    )
+    return np.concatenate(
+        [
+            np.stack([hidden % base + 1, hidden // base], axis=1),
+            np.stack([internal % base, internal // base + 1], axis=1),
+        ]
+    )
 
 
 def _x_at(xs, p):
@@ -273,7 +294,7 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         if prog.save_hidden[t - 1] >= 0:
             slots = layout.save_hidden(slots, int(prog.save_hidden[t - 1]), c)
         c, y_last, working = body.save(spec, consts, c, x_last)
-        ys = [jnp.concatenate([a, b[None].astype(a.dtype)]) for a, b in zip(ys, y_last)]
+        ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, slots, working
 
 
@@ -422,7 +443,7 @@ def run_backward(
         first_bw, init, slots, first_slot, t - 1, list(ct_carry), ct_k0, ct_xs0
     )
 
-    c0 = [jnp.zeros_like(a) for a in init]  # the working state; meaningless until loaded
+    c0 = list(init)  # the working state; meaningless until loaded
 
     def outer_cond(state):
         return state[0] < t

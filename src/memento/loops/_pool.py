@@ -1,34 +1,52 @@
-"""One word pool for every slot, allocated as a stack.
+"""Typed slot pools, one per dtype, allocated as a stack.
 
 The paper's memory model has one budget of m slots shared by hidden states (1 slot each)
 and internal states (alpha slots each). Typed buffers, one for hidden states and one for
-internal states, would need room for the peak of each kind, up to twice the budget for
-MSM schedules. Instead, every stored state is bitcast to unsigned words and written into
-one flat pool, where a unit holds one carry.
+internal states, would need room for the peak of each kind: up to twice the budget for
+MSM schedules, whose peaks of the two kinds fall at different times. So every stored leaf
+of a given dtype goes into one flat pool of that dtype, and hidden and internal states
+share it.
 
-The word is the smallest item size among the stored leaves, at most 4 bytes, so a float32
-state is bitcast to ``uint32`` of the same shape. ``benchmarks/pool.py`` measures writing
-and reading back an LSTM step's 14 residual leaves (60 KiB) on CPU: through a ``uint32``
-pool it costs about what typed per-leaf buffers cost (32-40 us against 36-47 us a step
-over four runs on a slow shared host), through a ``uint8`` pool about 1.6x more (58-64
-us): bitcasts that add a byte axis are not free in XLA:CPU.
+Why typed pools, not one pool of words. The first executor bitcast every state to
+``uint32`` words. A bitcast carries no tangent, so an outer ``jvp`` of the backward pass
+(``jax.hessian``, ``jvp(grad)``) silently lost every stored state's tangent, and it
+refuses complex numbers and keys. A typed pool is written with ``dynamic_update_slice``
+and read with ``dynamic_slice``, both linear in the stored values: tangents flow through
+the pool exactly, and every dtype is stored as itself (keys as their key data, with the
+key type restored on read, weak types restored too).
 
-The planner's schedules use their slots as a stack (Algorithm 2 of Gruslys et al.: a state
-is released before any state stored before it), so a stack allocator gives each stored
-state a unit offset and the pool needs exactly the schedule's peak, the paper's m.
+Offsets. The planner's schedules use slots as a stack (Algorithm 2 of Gruslys et al.: a
+state is released before any state stored before it), so the place of a stored state is
+fixed by how many hidden and internal states lie below it, ``(nh, ni)``. Executable rows
+encode that pair in their ``arg`` as ``nh + base * ni`` (`stack_offsets` with
+``internal_units = base``), and a state's offset in the pool of dtype d is
+``nh * h_d + ni * i_d``, where ``h_d`` and ``i_d`` are the elements of dtype d in one
+hidden and one internal state. Each pool holds exactly the peak of that sum over the
+schedule. When every stored leaf has one dtype (the common case) the pool is the
+schedule's peak memory, the paper's m; with several dtypes each pool takes its own peak,
+which is more only when the dtype mix of hidden and internal states differs.
+
+Pools are flat (1-D), which is what makes the sharing possible: a hidden state and an
+internal state have different shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ..planning import Op, Schedule
-from ._body import nbytes
+
+try:  # restores a weak type on read; no public equivalent
+    from jax._src.lax.lax import _convert_element_type
+except ImportError:  # pragma: no cover - older or newer JAX
+    _convert_element_type = None
 
 _SAVES = {Op.SAVE_HIDDEN: "h", Op.SAVE_INTERNAL: "i"}
 _FREES = {Op.FREE_HIDDEN: "h", Op.FREE_INTERNAL: "i"}
@@ -36,11 +54,10 @@ _USES = {Op.LOAD_HIDDEN: "h", Op.LOAD_INTERNAL: "i", Op.BACKWARD_INTERNAL: "i"}
 
 
 def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, int]:
-    """Rewrites a schedule's slot numbers as unit offsets into one stack-allocated pool.
+    """Rewrites a schedule's slot numbers as offsets into one stack-allocated pool.
 
-    Args:
-        schedule: a schedule whose slots are released in the reverse order of their saves.
-        internal_units: units an internal state takes (a hidden state takes 1).
+    A hidden state takes 1 unit and an internal state ``internal_units``; with
+    ``internal_units = base > memory`` an offset encodes ``(nh, ni)`` as ``nh + base * ni``.
 
     Returns:
         ``(rows, units)``: the executable rows (no FREE rows) with the ``arg`` of every
@@ -79,67 +96,133 @@ def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, 
     return rows[keep], units
 
 
-def _itemsize(dtype) -> int:
-    return jnp.dtype(dtype).itemsize  # bool is stored as one byte
+# ----------------------------------------------------------------------------------------
+# Storage form of a leaf: keys as their key data, everything else as itself.
 
 
-def word_bytes(avals: Sequence) -> int:
-    """The pool's word: the smallest item size of the leaves it stores, capped at 4."""
-    return min([4, *(_itemsize(a.dtype) for a in avals)])
+def is_key(aval) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
 
 
-def unit_words(carry_bytes: int, word: int) -> int:
-    """Words in one unit (one carry); at least one, so an empty carry still has slots."""
-    return max(1, math.ceil(carry_bytes / word))
+def storage_aval(aval) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of ``aval`` as stored (a key's key data; no weak type)."""
+    if is_key(aval):
+        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)
 
 
-_WORD_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+def nbytes(avals) -> int:
+    """Bytes of the stored form of ``avals``."""
+    total = 0
+    for a in avals:
+        s = storage_aval(a)
+        total += math.prod(s.shape) * np.dtype(s.dtype).itemsize
+    return total
 
 
-def _as_words(x, word_dtype) -> jnp.ndarray:
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    # Same item size: a bitcast of the same shape; larger items gain a trailing axis.
-    return lax.bitcast_convert_type(x, word_dtype).reshape(-1)
+def stack_of(aval, n: int):
+    """``n`` stored forms of ``aval`` along a new leading axis, zeros."""
+    s = storage_aval(aval)
+    return jnp.zeros((n, *s.shape), s.dtype)
 
 
-def _from_words(flat, aval):
-    dtype = jnp.dtype(aval.dtype)
-    stored = jnp.dtype(jnp.uint8) if dtype == jnp.bool_ else dtype
-    width = stored.itemsize // flat.dtype.itemsize
-    shape = tuple(aval.shape) + ((width,) if width > 1 else ())
-    x = lax.bitcast_convert_type(flat.reshape(shape), stored)
-    return x != 0 if dtype == jnp.bool_ else x
+def to_storage(x, aval):
+    return jax.random.key_data(x) if is_key(aval) else x
 
 
-def allocate(units: int, unit_words: int, word: int) -> jnp.ndarray:
-    """A flat pool of ``units * unit_words`` words of ``word`` bytes."""
-    return jnp.zeros((units * unit_words,), _WORD_DTYPES[word])
+def from_storage(x, aval):
+    """The value of ``aval``'s type stored as ``x``: key type and weak type restored."""
+    if is_key(aval):
+        return jax.random.wrap_key_data(x, impl=aval.dtype._impl)
+    if getattr(aval, "weak_type", False) and _convert_element_type is not None:
+        return _convert_element_type(x, weak_type=True)
+    return x
 
 
-def write(pool, offset, leaves: Sequence, unit_words: int, when=None) -> jnp.ndarray:
-    """Stores ``leaves`` from unit ``offset`` on (only where ``when``, a scalar, holds).
+# ----------------------------------------------------------------------------------------
+# The pools
 
-    Each leaf is written in place at its own word offset: no concatenation, so the pool
-    costs the same memory traffic as one typed buffer per leaf.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pools:
+    """Where hidden and internal states live; see the module docstring.
+
+    Attributes:
+        hidden_avals, internal_avals: the leaves of one hidden / internal state.
+        dtypes: one pool per stored dtype.
+        hidden_size, internal_size: elements of each pool that one state takes.
+        sizes: elements of each pool (its peak over the schedule).
+        base: a row's ``arg`` is ``nh + base * ni`` (``-1``: the caller's ``h_0``).
     """
-    start = jnp.maximum(offset, 0) * unit_words
-    for leaf in leaves:
-        w = _as_words(leaf, pool.dtype)
-        if when is not None:
-            w = jnp.where(when, w, lax.dynamic_slice_in_dim(pool, start, w.shape[0]))
-        pool = lax.dynamic_update_slice_in_dim(pool, w, start, 0)
-        start = start + w.shape[0]
-    return pool
 
+    hidden_avals: tuple
+    internal_avals: tuple
+    dtypes: tuple
+    hidden_size: tuple[int, ...]
+    internal_size: tuple[int, ...]
+    sizes: tuple[int, ...]
+    base: int
 
-def read(pool, offset, avals: Sequence, unit_words: int) -> list:
-    """The leaves (shapes and dtypes of ``avals``) stored at unit ``offset`` by `write`."""
-    start = jnp.maximum(offset, 0) * unit_words
-    out = []
-    for aval in avals:
-        n = nbytes([aval]) // pool.dtype.itemsize
-        out.append(_from_words(lax.dynamic_slice_in_dim(pool, start, n), aval))
-        start = start + n
-    return out
+    @staticmethod
+    def of(hidden_avals, internal_avals, tops: np.ndarray, base: int) -> Pools:
+        """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
+        states on the stack after each save (the peak is among them)."""
+        stored = [storage_aval(a) for a in (*hidden_avals, *internal_avals)]
+        dtypes = tuple(dict.fromkeys(np.dtype(s.dtype) for s in stored))
+
+        def size(avals):
+            out = [0] * len(dtypes)
+            for a in avals:
+                s = storage_aval(a)
+                out[dtypes.index(np.dtype(s.dtype))] += math.prod(s.shape)
+            return tuple(out)
+
+        hs, is_ = size(hidden_avals), size(internal_avals)
+        tops = np.asarray(tops, np.int64).reshape(-1, 2)
+        sizes = tuple(
+            int((tops[:, 0] * h + tops[:, 1] * i).max()) if len(tops) else 0
+            for h, i in zip(hs, is_)
+        )
+        return Pools(tuple(hidden_avals), tuple(internal_avals), dtypes, hs, is_, sizes, base)
+
+    def allocate(self) -> list:
+        return [jnp.zeros((n,), d) for n, d in zip(self.sizes, self.dtypes)]
+
+    def _starts(self, arg) -> list:
+        arg = jnp.maximum(arg, 0)
+        nh, ni = arg % self.base, arg // self.base
+        return [nh * h + ni * i for h, i in zip(self.hidden_size, self.internal_size)]
+
+    def _avals(self, kind: str):
+        return self.hidden_avals if kind == "h" else self.internal_avals
+
+    def write(self, pools: Sequence, arg, leaves: Sequence, kind: str, when=None) -> list:
+        """Stores one state's ``leaves`` at ``arg`` (only where ``when``, a scalar, holds).
+
+        Each leaf is written in place at its own offset: no concatenation, so the pools
+        cost the same memory traffic as one typed buffer per leaf.
+        """
+        pools, starts = list(pools), self._starts(arg)
+        for leaf, aval in zip(leaves, self._avals(kind)):
+            w = jnp.ravel(to_storage(leaf, aval))
+            if w.size == 0:
+                continue
+            j = self.dtypes.index(np.dtype(w.dtype))
+            if when is not None:
+                w = jnp.where(when, w, lax.dynamic_slice_in_dim(pools[j], starts[j], w.size))
+            pools[j] = lax.dynamic_update_slice_in_dim(pools[j], w, starts[j], 0)
+            starts[j] = starts[j] + w.size
+        return pools
+
+    def read(self, pools: Sequence, arg, kind: str, *, stored: bool = False) -> list:
+        """The leaves of the state stored at ``arg`` by `write` (``stored=True``: in their
+        storage form, e.g. key data, to be mixed with others before `restore`)."""
+        out, starts = [], self._starts(arg)
+        for aval in self._avals(kind):
+            s = storage_aval(aval)
+            j = self.dtypes.index(np.dtype(s.dtype))
+            n = math.prod(s.shape)
+            x = lax.dynamic_slice_in_dim(pools[j], starts[j], n).reshape(s.shape)
+            starts[j] = starts[j] + n
+            out.append(x if stored else from_storage(x, aval))
+        return out

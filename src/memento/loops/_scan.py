@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ..planning import Schedule
-from ._body import Body, ResidualSpec, call_reverse_mode_only, make_body, merge, nbytes, split
+from ._body import Body, ResidualSpec, call_reverse_mode_only, make_body, merge, nbytes
 from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
 from ._interpreter import Program, compile_schedule, run_backward, run_sweep
 
@@ -85,21 +85,15 @@ def scan(
     x_leaves = [jnp.asarray(x) for x in x_leaves]
     if reverse:
         x_leaves = [jnp.flip(x, 0) for x in x_leaves]
-    init_leaves, _ = jax.tree_util.tree_flatten(init)
-    init_leaves = [jnp.asarray(c, dtype=jnp.result_type(c)) for c in init_leaves]
-    init = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), init_leaves)
-    x_example = jax.tree_util.tree_unflatten(
-        x_tree, [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in x_leaves]
-    )
-    body, y_tree = make_body(f, init, x_example, name=_NAME)
-    spec = body.residual_spec()
-    carry_bytes = nbytes(body.carry_avals)
-    slots = to_slots(budget, carry_bytes, name=_NAME)
-    alpha = internal_slots(nbytes(spec.stored), carry_bytes)
-    schedule = choose_schedule(num_steps, slots, alpha, policy, name=_NAME)
-    prog = _compile(schedule, alpha)
+    init_leaves, init_tree = jax.tree_util.tree_flatten(init)
+    init_leaves = [jnp.asarray(c) for c in init_leaves]
+    x_example = jax.tree_util.tree_unflatten(x_tree, [_slice_aval(x) for x in x_leaves])
+    body = make_body(f, jax.tree_util.tree_unflatten(init_tree, init_leaves), x_example, name=_NAME)
+    init_leaves = body.cast_carry(init_leaves)
+    slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
+    plan = functools.partial(_plan, num_steps=num_steps, slots=slots, policy=policy)
 
-    run = _differentiable_run(body, spec, prog, unroll)
+    run = _differentiable_run(body, plan, num_steps, unroll)
     carry, ys = call_reverse_mode_only(
         run, (body.consts, init_leaves, x_leaves), name=_NAME, instead="memory=None (lax.scan)"
     )
@@ -107,8 +101,14 @@ def scan(
         ys = [jnp.flip(y, 0) for y in ys]
     return (
         jax.tree_util.tree_unflatten(body.carry_tree, carry),
-        jax.tree_util.tree_unflatten(y_tree, ys),
+        jax.tree_util.tree_unflatten(body.y_tree, ys),
     )
+
+
+def _slice_aval(x) -> jax.ShapeDtypeStruct:
+    """One step's slice of ``x``, weak type included."""
+    a = jax.typeof(x)
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type)
 
 
 def _length(x_leaves, length) -> int:
@@ -134,22 +134,36 @@ def _length(x_leaves, length) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(schedule: Schedule, internal_units: int) -> Program:
-    return compile_schedule(schedule, internal_units)
+def _compile(schedule: Schedule) -> Program:
+    # internal_units = memory + 1 makes a row's arg encode (hidden, internal) states below
+    # it on the stack, from which `_pool.Pools` places it in every typed pool.
+    return compile_schedule(schedule, schedule.memory + 1)
 
 
-def _instantiate(cts, likes):
-    """Cotangents with symbolic zeros made concrete (float leaves) or left as they are."""
-    out = []
-    for ct, like in zip(cts, likes):
-        if isinstance(ct, SymbolicZero):
-            dtype = jnp.result_type(like)
-            ct = jnp.zeros(np.shape(like), dtype) if jnp.issubdtype(dtype, jnp.inexact) else ct
-        out.append(ct)
-    return out
+def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
+    """The residuals, schedule and program for a body differentiated as ``body`` says.
+
+    Runs when the gradient is traced (the forward rule), once the perturbed inputs are
+    known: the paper's alpha is measured from the residuals actually differentiated.
+    """
+    spec = body.residual_spec()
+    alpha = internal_slots(nbytes(spec.stored), nbytes(body.carry_avals))
+    schedule = choose_schedule(num_steps, slots, alpha, policy, name=_NAME)
+    return spec, _compile(schedule)
 
 
-def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """Python values that travel from the forward rule to the backward rule as pytree
+    structure (no leaves)."""
+
+    body: Body
+    spec: ResidualSpec
+    prog: Program
+
+
+def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
     """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
 
     @jax.custom_vjp
@@ -157,36 +171,44 @@ def _differentiable_run(body: Body, spec: ResidualSpec, prog: Program, unroll):
         def step(c, x):
             return body(consts, c, x)
 
-        return lax.scan(step, init, xs, length=prog.num_steps, unroll=unroll)
+        return lax.scan(step, init, xs, length=num_steps, unroll=unroll)
 
     def fwd(consts, init, xs):
-        # symbolic_zeros: each argument comes with whether it is perturbed, i.e. needs a
-        # cotangent. The flags travel to bwd as pytree structure (None or ()).
-        need_k = [() if a.perturbed else None for a, f in zip(consts, body.const_mask) if f]
-        need_x = [() if a.perturbed else None for a, f in zip(xs, body.x_mask) if f]
+        # symbolic_zeros: each argument comes with whether it is perturbed (needs a
+        # cotangent); only what is perturbed, or depends on it, is differentiated.
+        b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
+        spec, prog = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
-        c, ys, slots, working = run_sweep(prog, body, spec, consts, init, xs, unroll=unroll)
-        return (c, ys), (consts, init, xs, slots, working, need_k, need_x)
-
-    ys_avals = [jax.ShapeDtypeStruct((prog.num_steps, *a.shape), a.dtype) for a in body.y_avals]
+        c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
+        return (c, ys), (consts, init, xs, slots, working, _Static(b, spec, prog))
 
     def bwd(res, cts):
-        consts, init, xs, slots, working, need_k, need_x = res
-        ct_c, ct_ys = (_instantiate(ct, like) for ct, like in zip(cts, (init, ys_avals)))
-        ct_c_f, _ = split(ct_c, body.carry_mask)
-        ct_ys_f, _ = split(ct_ys, body.y_mask)
+        consts, init, xs, slots, working, static = res
+        b, spec, prog = static.body, static.spec, static.prog
+        ct_c, ct_ys = cts
+        ct_c_f = _instantiate(ct_c, b.carry_avals, b.carry_mask)
+        ct_ys_f = _instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
         ct_k, ct_init, ct_xs = run_backward(
-            prog, body, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f,
-            need_consts=[n is not None for n in need_k],
-            need_xs=[n is not None for n in need_x],
-        )  # fmt: skip
-        x_mask = body.x_mask
-        # None is a zero cotangent for custom_vjp: integer leaves and unneeded ones.
+            prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
+        )
+        # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
-            merge(ct_k, [None] * (len(consts) - len(ct_k)), body.const_mask),
-            merge(ct_init, [None] * (len(init) - len(ct_init)), body.carry_mask),
-            merge(ct_xs, [None] * (len(xs) - len(ct_xs)), x_mask),
+            merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
+            merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
+            merge(ct_xs, [None] * (len(xs) - len(ct_xs)), b.x_mask),
         )
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
+
+
+def _instantiate(cts, avals, mask, leading=None):
+    """The cotangents of the differentiated leaves, symbolic zeros made concrete."""
+    out = []
+    for ct, aval, m in zip(cts, avals, mask):
+        if m:
+            if isinstance(ct, SymbolicZero):
+                shape = aval.shape if leading is None else (leading, *aval.shape)
+                ct = jnp.zeros(shape, aval.dtype)
+            out.append(ct)
+    return out

@@ -32,6 +32,7 @@ from jax import core as jax_core
 from jax import lax
 
 from ..planning import _online
+from . import _pool
 from ._body import Body, call_reverse_mode_only, float0_zeros, make_body, merge, nbytes, split
 from ._budget import Bytes, parse_memory, to_slots
 from ._interpreter import advance_steps, apply_pullback
@@ -109,13 +110,14 @@ def while_loop(
     budget = None if memory is None else parse_memory(memory, name=_NAME)
 
     init_leaves, init_tree = jax.tree_util.tree_flatten(init_val)
-    init_leaves = [jnp.asarray(c, dtype=jnp.result_type(c)) for c in init_leaves]
+    init_leaves = [jnp.asarray(c) for c in init_leaves]
     init = jax.tree_util.tree_unflatten(init_tree, init_leaves)
 
     def as_step(c, _):
         return body_fun(c), None
 
-    body, _ = make_body(as_step, init, None, name=_NAME)
+    body = make_body(as_step, init, None, name=_NAME)
+    init_leaves = body.cast_carry(init_leaves)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, body)
 
     if budget is None:
@@ -249,14 +251,14 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
         return c
 
     def fwd(consts, cond_consts, init):
-        hidden = [jnp.zeros((num_slots, *a.shape), a.dtype) for a in body.carry_avals]
+        hidden = [_pool.stack_of(a, num_slots) for a in body.carry_avals]
         sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
 
         def body_fn(state):
             p, ptr, c, hidden = state
             keep = sp[ptr] == p
             if num_slots:
-                hidden = _write(hidden, ss[ptr], c, keep)
+                hidden = _write(hidden, ss[ptr], c, body.carry_avals, keep)
             c = body(consts, c, [])[0]
             return p + 1, ptr + keep.astype(jnp.int32), c, hidden
 
@@ -291,11 +293,12 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
 # cost about the same to write and read: benchmarks/pool.py).
 
 
-def _write(buffers, index, values, when=None):
+def _write(buffers, index, values, avals, when=None):
     """``buffers[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
     index = jnp.maximum(index, 0)
     out = []
-    for b, v in zip(buffers, values):
+    for b, v, a in zip(buffers, values, avals):
+        v = _pool.to_storage(v, a)
         if when is not None:
             v = jnp.where(when, v, b[index])
         out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
@@ -308,13 +311,18 @@ def _read(buffers, index):
     return [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in buffers]
 
 
-def load_hidden(hidden, init, slot):
+def load_hidden(hidden, init, slot, avals):
     """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
 
     Reads the buffers outside any conditional (see `_backward`): a ``where`` picks.
     """
-    stored = _read(hidden, slot) if hidden else init
-    return [jnp.where(slot < 0, a, b) for a, b in zip(init, stored)]
+    if not hidden or hidden[0].shape[0] == 0:  # no slots: h_0 is the only carry kept
+        return list(init)
+    stored = _read(hidden, slot)
+    return [
+        _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
+        for a, b, v in zip(init, stored, avals)
+    ]
 
 
 def _zero_ct(x):
@@ -380,10 +388,10 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
         e, hidden, stack_pos, stack_slot, depth = state
         b = stack_pos[depth]
         y = hsm_split_device(e - b + 1, slots - depth)
-        c = load_hidden(hidden, init, stack_slot[depth])
+        c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
         c = advance_steps(body, consts, c, [], b, y)
         j = free_slot(stack_slot, depth)
-        hidden = _write(hidden, j, c)
+        hidden = _write(hidden, j, c, body.carry_avals)
         depth = depth + 1
         stack_pos = stack_pos.at[depth].set(b + y)
         stack_slot = stack_slot.at[depth].set(j)
@@ -398,7 +406,7 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
                 push_cond, push, (e, hidden, stack_pos, stack_slot, depth)
             )
         b = stack_pos[depth]
-        c = load_hidden(hidden, init, stack_slot[depth]) if num_slots else list(init)
+        c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
         c = advance_steps(body, consts, c, [], b, e - b)
         pullback = body.linearize(consts, c, [])[2]
         d_k, ct_c, _ = apply_pullback(pullback, ct_c, [])
