@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core as jax_core
-from jax.extend import core as jex_core
 from jax import lax
+from jax.extend import core as jex_core
 
 from ._pool import from_storage
 from ._pool import nbytes as nbytes
