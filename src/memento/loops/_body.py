@@ -219,31 +219,65 @@ def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:
 
 def _as_aval(x, aval):
     """``x`` (an array or a literal's value) typed as ``aval``: a no-op when it already is."""
-    if hasattr(x, "dtype") and jax.typeof(x) == jax.core.ShapedArray(
+    if isinstance(x, jax.Array) and jax.typeof(x) == jax.core.ShapedArray(
         aval.shape, aval.dtype, weak_type=aval.weak_type
     ):
         return x
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         return x
-    return from_storage(lax.convert_element_type(x, aval.dtype), aval)
+    return from_storage(lax.convert_element_type(jnp.asarray(x), aval.dtype), aval)
+
+
+_HIGHER_ORDER = (
+    "jax.hessian, jax.jvp(jax.grad(f)) and jax.jacfwd(jax.jacrev(f)) (forward-over-reverse) "
+    "are exact"
+)
 
 
 def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead: str):
     """``run(*args)`` where ``run`` is a ``custom_vjp`` function; a clear error under jvp.
 
-    JAX refuses forward-mode differentiation of a custom VJP with a message that does not
-    say what to do instead; the executors say it.
+    JAX refuses forward-mode differentiation of a custom VJP (``jax.jvp``, and reverse
+    over forward: ``jax.grad`` of a ``jax.jvp``) with messages that do not say what to do
+    instead; the executors say it.
     """
     try:
         return run(*args)
-    except TypeError as e:
-        if "forward-mode" in str(e) or "jvp" in str(e):
+    except (TypeError, NotImplementedError) as e:
+        msg = str(e)
+        if "forward-mode" in msg or "jvp" in msg or "custom_lin" in msg:
             raise TypeError(
-                f"{name}: forward-mode differentiation (jvp, jacfwd) is not supported: its "
-                f"gradient is a custom reverse-mode rule. Use jax.grad / jax.vjp, or {instead} "
-                "for forward mode."
+                f"{name}: forward-mode differentiation of the loop (jax.jvp, jax.jacfwd, "
+                "jax.linearize, or reverse mode over any of them) is not supported with a "
+                f"memory budget: its gradient is a custom reverse-mode rule. {_HIGHER_ORDER}. "
+                f"For forward mode use {instead}."
             ) from e
         raise
+
+
+try:  # the tracer type of an outer reverse-mode differentiation; no public equivalent
+    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+except ImportError:  # pragma: no cover - older or newer JAX
+    _LinearizeTracer = ()
+
+
+def refuse_reverse_over_reverse(args, *, name: str) -> None:
+    """Raises a clear error when a backward pass is itself being reverse-differentiated.
+
+    Forward over reverse (``jax.hessian``, ``jvp(grad)``) pushes tangents through the
+    backward pass: plain JAX ops, exact. Reverse over reverse (``grad(grad)``, or
+    ``jax.linearize`` of a gradient, whose map JAX would transpose) would transpose the
+    backward pass's ``while_loop``s, which JAX cannot do, and its error sends the user to
+    ``lax.scan``. The backward rule sees that case as linearize tracers among its inputs.
+    """
+    if any(isinstance(x, _LinearizeTracer) for x in jax.tree_util.tree_leaves(args)):
+        raise NotImplementedError(
+            f"{name}: reverse-over-reverse differentiation (jax.grad of jax.grad, "
+            "jax.jacrev(jax.jacrev(f)), jax.linearize or jax.vjp of a gradient) is not "
+            "supported with a memory budget: the backward pass is a while loop. "
+            f"{_HIGHER_ORDER}: use them for Hessians and Hessian-vector products, or "
+            "memory=None."
+        )
 
 
 def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:
@@ -337,7 +371,9 @@ def make_body(f: Callable, init, x_example, *, name: str) -> Body:
         )
     return Body(
         jaxpr=closed.jaxpr,
-        consts=list(closed.consts),
+        # Literal consts (Python scalars a nested trace hands over) become arrays, whose
+        # identity the residual probe can follow.
+        consts=[jnp.asarray(c) for c in closed.consts],
         carry_tree=carry_tree,
         x_tree=x_tree,
         y_tree=found["y_tree"],

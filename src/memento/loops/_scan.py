@@ -13,7 +13,15 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ..planning import Schedule
-from ._body import Body, ResidualSpec, call_reverse_mode_only, make_body, merge, nbytes
+from ._body import (
+    Body,
+    ResidualSpec,
+    call_reverse_mode_only,
+    make_body,
+    merge,
+    nbytes,
+    refuse_reverse_over_reverse,
+)
 from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
 from ._interpreter import Program, compile_schedule, run_backward, run_sweep
 
@@ -188,6 +196,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         ct_c, ct_ys = cts
         ct_c_f = _instantiate(ct_c, b.carry_avals, b.carry_mask)
         ct_ys_f = _instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
+        refuse_reverse_over_reverse((res, cts), name=_NAME)
         ct_k, ct_init, ct_xs = run_backward(
             prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
         )

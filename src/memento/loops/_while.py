@@ -33,7 +33,16 @@ from jax import lax
 
 from ..planning import _online
 from . import _pool
-from ._body import Body, call_reverse_mode_only, float0_zeros, make_body, merge, nbytes, split
+from ._body import (
+    Body,
+    call_reverse_mode_only,
+    float0_zeros,
+    make_body,
+    merge,
+    nbytes,
+    refuse_reverse_over_reverse,
+    split,
+)
 from ._budget import Bytes, parse_memory, to_slots
 from ._interpreter import advance_steps, apply_pullback
 
@@ -269,6 +278,7 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
 
     def bwd(res, ct_final):
         consts, cond_consts, init, hidden, n, stack_pos, stack_slot, depth = res
+        refuse_reverse_over_reverse((res, ct_final), name=_NAME)
         ct_c, _ = split(ct_final, body.carry_mask)
         ct_k, ct_init = _backward(
             body, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c

@@ -1,0 +1,335 @@
+"""memento.scan is lax.scan: the behaviours of JAX's own scan tests, for every variant.
+
+The catalogue follows jax-ml/jax ``tests/lax_control_flow_test.py`` (impl, grad, RNN,
+vmap, reverse, unroll, xs=None, forwarding, weak types, remat of scan, higher order),
+rewritten for memento: every memento variant must give lax.scan's values, types and
+derivatives, first and second order, in float64.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memento
+
+from ._variants import ALL, FEW, LAX, MEMENTO, T, assert_close
+
+rng = np.random.default_rng(0)
+D = rng.normal(size=2)
+XS = rng.normal(size=(T, 3))  # NumPy: float64 under the x64 fixture
+C0 = rng.normal(size=4)
+
+
+def body(c, a):
+    # JAX's testScanImpl body: y depends on the carry, the input and a closed-over array.
+    b = jnp.cos(jnp.sum(jnp.sin(a)) + jnp.sum(jnp.cos(c)) + jnp.sum(D))
+    c = jnp.sin(c * b)
+    return c, b
+
+
+def pytree_body(c, x):
+    h, (count, acc) = c
+    h = jnp.tanh(h * x["scale"] + jnp.sum(x["v"]))
+    return (h, (count + 1, acc + jnp.sum(h))), {"h2": h**2, "n": count}
+
+
+def pytree_args():
+    init = (C0, (jnp.int32(0), jnp.float64(0.0)))
+    xs = {"scale": XS[:, 0], "v": XS}
+    return init, xs
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+@pytest.mark.parametrize("jit", [False, True])
+def test_impl(scan, jit):
+    run = jax.jit(scan, static_argnums=0) if jit else scan
+    assert_close(run(body, C0, XS), lax.scan(body, C0, XS), weak=True)
+    init, xs = pytree_args()
+    assert_close(run(pytree_body, init, xs), lax.scan(pytree_body, init, xs), weak=True)
+
+
+@pytest.mark.parametrize("scan", MEMENTO, ids=repr)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_grad_reverse_xs_none_and_length(scan, reverse):
+    def loss(scan, c, xs):
+        c, ys = scan(body, c, xs, reverse=reverse)
+        (h, (n, acc)), out = scan(pytree_body, (c, (0, 0.0)), {"scale": xs[:, 1], "v": xs})
+        g, zs = scan(lambda c, _: (jnp.sin(c) * 1.1, c[0]), h, None, length=5)
+        return jnp.sum(ys * jnp.arange(T)) + acc + jnp.sum(out["h2"]) + jnp.sum(g) + zs.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=0)
+    assert_close(grad(scan, C0, XS), grad(LAX, C0, XS))
+
+
+def rnn(scan, params, h0, xs):
+    # JAX's testScanRnn: a tanh RNN with a loss on every output.
+    def step(h, x):
+        h = jnp.tanh(params["W"] @ h + params["U"] @ x + params["b"])
+        return h, jnp.dot(params["v"], h)
+
+    _, ys = scan(step, h0, xs)
+    return jnp.sum((ys - 0.3) ** 2)
+
+
+def rnn_args():
+    p = {
+        "W": jnp.asarray(rng.normal(size=(4, 4))) * 0.5,
+        "U": jnp.asarray(rng.normal(size=(4, 3))),
+        "b": jnp.asarray(rng.normal(size=4)),
+        "v": jnp.asarray(rng.normal(size=4)),
+    }
+    return p, C0, XS
+
+
+@pytest.mark.parametrize("scan", MEMENTO, ids=repr)
+def test_rnn_value_grad_and_second_order(scan):
+    args = rnn_args()
+    loss = functools.partial(rnn, scan)
+    ref = functools.partial(rnn, LAX)
+    assert_close(jax.grad(loss, argnums=(0, 1, 2))(*args), jax.grad(ref, argnums=(0, 1, 2))(*args))
+    # Forward over reverse must be exact: jvp(grad), hessian, jacfwd(jacrev).
+    tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
+    hvp = lambda f: jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,))  # noqa: E731
+    assert_close(hvp(loss), hvp(ref))
+    hess = lambda f: jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1])  # noqa: E731
+    assert_close(hess(loss), hess(ref))
+    jfjr = lambda f: jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2])  # noqa: E731
+    assert_close(jfjr(loss), jfjr(ref))
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (0, 0), (1, 2)])
+def test_vmap(scan, in_axes):
+    c_bdim, x_bdim = in_axes
+    cs = C0 if c_bdim is None else jnp.stack([C0 * (i + 1) for i in range(3)], c_bdim)
+    xs = XS if x_bdim is None else jnp.stack([XS - i for i in range(3)], x_bdim)
+    run = lambda s: jax.vmap(lambda c, x: s(body, c, x), in_axes)(cs, xs)  # noqa: E731
+    assert_close(run(scan), run(LAX))
+    # the gradient of a batched loss, and batched gradients
+    loss = lambda s, c, x: jnp.sum(jnp.sin(s(body, c, x)[1]))  # noqa: E731
+    g = lambda s: jax.grad(
+        lambda c, x: jnp.sum(jax.vmap(functools.partial(loss, s), in_axes)(c, x)), (0, 1)
+    )(cs, xs)  # noqa: E731
+    assert_close(g(scan), g(LAX))
+    per = lambda s: jax.vmap(jax.grad(functools.partial(loss, s), (0, 1)), in_axes)(cs, xs)  # noqa: E731
+    assert_close(per(scan), per(LAX))
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+def test_hessian_under_vmap_and_jit(scan):
+    params, h0, xs = rnn_args()
+    xss = jnp.stack([xs, 0.5 * xs])
+
+    def hess(s):
+        h = jax.hessian(lambda b, xs: rnn(s, {**params, "b": b}, h0, xs))
+        return jax.jit(jax.vmap(h, (None, 0)))(params["b"], xss)
+
+    assert_close(hess(scan), hess(LAX))
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+def test_remat_of_scan_and_scan_in_scan(scan):
+    params, h0, xs = rnn_args()
+    remat = jax.checkpoint(lambda p: rnn(scan, p, h0, xs))
+    assert_close(jax.grad(remat)(params), jax.grad(lambda p: rnn(LAX, p, h0, xs))(params))
+
+    def nested(s, w):
+        def outer(c, x):
+            c2, ys = s(lambda h, xi: (jnp.sin(h * w + xi), h.sum()), c, jnp.tile(x, (3, 1)))
+            return c2, ys.sum()
+
+        return jnp.sum(s(outer, h0, xs[:, :1] * jnp.ones((1, 4)))[1])
+
+    assert_close(
+        jax.grad(functools.partial(nested, scan))(0.7),
+        jax.grad(functools.partial(nested, LAX))(0.7),
+    )
+
+
+# -- weak types and literals ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32, jnp.float32, jnp.bfloat16])
+def test_weakly_typed_init_takes_the_body_dtype(scan, dtype):
+    # lax.scan(f, 0, int8 xs) carries int8: a Python scalar init is weakly typed.
+    xs = jnp.ones(5, dtype)
+    got, ref = scan(lambda c, x: (c + x, x), 0, xs), lax.scan(lambda c, x: (c + x, x), 0, xs)
+    assert_close(got, ref, weak=True)
+    assert got[0].dtype == dtype
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+def test_weak_types_are_kept_and_grad_of_python_floats(scan):
+    # A weakly typed carry stays weak (so later arithmetic promotes as with lax.scan).
+    out = scan(lambda c, _: (c * 0.5 + 1.0, c), 0.0, None, length=4)
+    assert_close(out, lax.scan(lambda c, _: (c * 0.5 + 1.0, c), 0.0, None, length=4), weak=True)
+    assert (out[0] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+
+    # The most common call of all: grad of a function of a Python float.
+    def f(s, a):
+        return s(lambda c, x: (c * a + x, c), 0.0, jnp.arange(5.0))[0]
+
+    assert_close(
+        jax.grad(functools.partial(f, scan))(0.7), jax.grad(functools.partial(f, LAX))(0.7)
+    )
+    eta = jnp.asarray(0.7)  # weakly typed, closed over
+
+    def g(s, w):
+        return jnp.sum(s(lambda c, x: (jnp.tanh(c * w * eta + x[0]), c * eta), C0, XS)[1])
+
+    assert_close(
+        jax.grad(functools.partial(g, scan))(1.3), jax.grad(functools.partial(g, LAX))(1.3)
+    )
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+def test_literal_and_none_outputs(scan):
+    def f(c, x):
+        return c * x, (0, 1.5, None, x)
+
+    assert_close(scan(f, 1.0, XS[:, 0]), lax.scan(f, 1.0, XS[:, 0]), weak=True)
+    loss = lambda s, c: s(f, c, XS[:, 0])[0] + jnp.sum(s(f, c, XS[:, 0])[1][3])  # noqa: E731
+    assert_close(
+        jax.grad(functools.partial(loss, scan))(1.0), jax.grad(functools.partial(loss, LAX))(1.0)
+    )
+    # a literal carry output and input-to-output forwarding
+    assert_close(scan(lambda c, x: (2.0, x), 0.0, XS), lax.scan(lambda c, x: (2.0, x), 0.0, XS))
+
+
+# -- dtypes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+def test_complex_carry_and_residuals(scan):
+    w = jnp.asarray(rng.normal(size=(3, 3)) + 1j * rng.normal(size=(3, 3))) * 0.4
+
+    def loss(s, w, c0):
+        def step(c, x):
+            c = jnp.tanh(w @ c + x)
+            return c, jnp.abs(c) ** 2
+
+        c, ys = s(step, c0, XS.astype(jnp.complex128))
+        return jnp.sum(ys) + jnp.real(jnp.sum(c * jnp.conj(c)))
+
+    c0 = jnp.ones(3, jnp.complex128)
+    args = (w, c0)
+    assert_close(loss(scan, *args), loss(LAX, *args))
+    g = lambda s: jax.grad(functools.partial(loss, s), argnums=(0, 1))(*args)  # noqa: E731
+    assert_close(g(scan), g(LAX))
+    hvp = lambda s: jax.jvp(
+        lambda c: jax.grad(functools.partial(loss, s), 1)(w, c), (c0,), (1j * c0,)
+    )  # noqa: E731
+    assert_close(hvp(scan), hvp(LAX))
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_low_precision(scan, dtype):
+    params, h0, xs = rnn_args()
+    low = jax.tree_util.tree_map(lambda a: a.astype(dtype), (params, h0, xs))
+    exact = jax.grad(rnn, argnums=2)(LAX, params, h0, xs)
+    got = jax.grad(rnn, argnums=2)(scan, *low)
+    ref = jax.grad(rnn, argnums=2)(LAX, *low)
+    assert got.dtype == ref.dtype == dtype
+    # Rounding follows the order of operations: no worse than twice lax.scan's own error.
+    err = lambda g: float(jnp.max(jnp.abs(g.astype(jnp.float64) - exact)))  # noqa: E731
+    assert err(got) <= 2 * err(ref) + 1e-3
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+def test_keys_ints_and_bools_in_the_carry(scan):
+    def step(c, x):
+        key, count, flag, h = c
+        key, sub = jax.random.split(key)
+        h = jnp.tanh(h + x[0] * jax.random.normal(sub, h.shape))
+        return (key, count + 1, jnp.logical_not(flag), h), (count, flag, jax.random.key_data(sub))
+
+    init = (jax.random.key(0), jnp.uint8(3), jnp.bool_(True), C0)
+    assert_close(scan(step, init, XS), lax.scan(step, init, XS), weak=True)
+    loss = lambda s, h: jnp.sum(s(step, (*init[:3], h), XS)[0][3])  # noqa: E731
+    assert_close(
+        jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
+    )
+    hess = lambda s: jax.hessian(functools.partial(loss, s))(C0)  # noqa: E731
+    assert_close(hess(scan), hess(LAX))
+
+
+# -- what is differentiated ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", ALL, ids=repr)
+def test_leaves_without_a_gradient_may_use_ops_without_a_reverse_rule(scan):
+    # The counter goes through a lax.while_loop (no reverse rule); only h is perturbed.
+    def step(c, x):
+        h, z = c
+        z = lax.while_loop(lambda z: z < 10.0, lambda z: z * 2.0 + 1.0, z * 0.0 + 1.0)
+        return (jnp.tanh(h * x[0] + 0.1), z), h.sum() + lax.stop_gradient(z)
+
+    loss = lambda s, h: jnp.sum(s(step, (h, 3.0), XS)[1])  # noqa: E731
+    assert_close(
+        jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
+    )
+    assert_close(
+        jax.hessian(functools.partial(loss, scan))(C0),
+        jax.hessian(functools.partial(loss, LAX))(C0),
+    )
+
+
+@pytest.mark.parametrize("scan", FEW, ids=repr)
+def test_integer_xs_and_unused_inputs(scan):
+    idx = jnp.arange(T) % 3
+    table = jnp.asarray(rng.normal(size=(3, 4)))
+
+    def loss(s, table, unused):
+        def step(c, i):
+            return jnp.sin(c + table[i]), c[0]
+
+        return jnp.sum(s(step, C0, idx)[1]) + 0 * jnp.sum(unused[:0])
+
+    g = lambda s: jax.grad(functools.partial(loss, s), (0, 1))(table, XS)  # noqa: E731
+    assert_close(g(scan), g(LAX))
+
+
+# -- what memento refuses, clearly ---------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", MEMENTO[:3], ids=repr)
+def test_unsupported_transformations_raise_memento_errors(scan):
+    def f(a):
+        return scan(lambda c, x: (jnp.sin(c * a + x), c), 0.5, XS[:, 0])[0]
+
+    with pytest.raises(TypeError, match=r"memento\.scan: forward-mode differentiation"):
+        jax.jvp(f, (0.7,), (1.0,))
+    with pytest.raises(TypeError, match=r"memento\.scan: forward-mode differentiation"):
+        jax.grad(lambda a: jax.jvp(f, (a,), (1.0,))[1])(0.7)  # reverse over forward
+    with pytest.raises(
+        NotImplementedError, match=r"memento\.scan: reverse-over-reverse.*jax\.hessian"
+    ):
+        jax.grad(jax.grad(f))(0.7)
+    with pytest.raises(NotImplementedError, match=r"memento\.scan: reverse-over-reverse"):
+        jax.linearize(jax.grad(f), 0.7)
+    # jax.linearize of the loop itself: JAX's own error when its linear map is applied.
+    _, f_lin = jax.linearize(f, 0.7)
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        f_lin(1.0)
+    # the second-order paths that work are exact
+    assert_close(
+        jax.hessian(f)(0.7),
+        jax.hessian(lambda a: LAX(lambda c, x: (jnp.sin(c * a + x), c), 0.5, XS[:, 0])[0])(0.7),
+    )
+
+
+def test_variants_really_are_budgeted():
+    # The suite means something only if the memento variants run their own executor.
+    loss = lambda s, c: s(body, c, XS)[1].sum()  # noqa: E731
+    for s in MEMENTO:
+        assert "custom_vjp_call" in str(jax.make_jaxpr(functools.partial(loss, s))(C0))
+        # the backward pass is memento's interpreter loop, where lax.scan's is a scan
+        assert "while[" in str(jax.make_jaxpr(jax.grad(functools.partial(loss, s)))(C0))
+    assert "while[" not in str(jax.make_jaxpr(jax.grad(functools.partial(loss, LAX)))(C0))
+    assert memento.scan.__module__.startswith("memento")
