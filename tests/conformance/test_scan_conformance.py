@@ -57,7 +57,7 @@ def test_impl(scan, jit):
 def test_grad_reverse_xs_none_and_length(scan, reverse):
     def loss(scan, c, xs):
         c, ys = scan(body, c, xs, reverse=reverse)
-        (h, (n, acc)), out = scan(pytree_body, (c, (0, 0.0)), {"scale": xs[:, 1], "v": xs})
+        (h, (_, acc)), out = scan(pytree_body, (c, (0, 0.0)), {"scale": xs[:, 1], "v": xs})
         g, zs = scan(lambda c, _: (jnp.sin(c) * 1.1, c[0]), h, None, length=5)
         return jnp.sum(ys * jnp.arange(T)) + acc + jnp.sum(out["h2"]) + jnp.sum(g) + zs.sum()
 
@@ -93,11 +93,11 @@ def test_rnn_value_grad_and_second_order(scan):
     assert_close(jax.grad(loss, argnums=(0, 1, 2))(*args), jax.grad(ref, argnums=(0, 1, 2))(*args))
     # Forward over reverse must be exact: jvp(grad), hessian, jacfwd(jacrev).
     tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
-    hvp = lambda f: jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,))  # noqa: E731
+    hvp = lambda f: jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,))
     assert_close(hvp(loss), hvp(ref))
-    hess = lambda f: jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1])  # noqa: E731
+    hess = lambda f: jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1])
     assert_close(hess(loss), hess(ref))
-    jfjr = lambda f: jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2])  # noqa: E731
+    jfjr = lambda f: jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2])
     assert_close(jfjr(loss), jfjr(ref))
 
 
@@ -107,15 +107,15 @@ def test_vmap(scan, in_axes):
     c_bdim, x_bdim = in_axes
     cs = C0 if c_bdim is None else jnp.stack([C0 * (i + 1) for i in range(3)], c_bdim)
     xs = XS if x_bdim is None else jnp.stack([XS - i for i in range(3)], x_bdim)
-    run = lambda s: jax.vmap(lambda c, x: s(body, c, x), in_axes)(cs, xs)  # noqa: E731
+    run = lambda s: jax.vmap(lambda c, x: s(body, c, x), in_axes)(cs, xs)
     assert_close(run(scan), run(LAX))
     # the gradient of a batched loss, and batched gradients
-    loss = lambda s, c, x: jnp.sum(jnp.sin(s(body, c, x)[1]))  # noqa: E731
+    loss = lambda s, c, x: jnp.sum(jnp.sin(s(body, c, x)[1]))
     g = lambda s: jax.grad(
         lambda c, x: jnp.sum(jax.vmap(functools.partial(loss, s), in_axes)(c, x)), (0, 1)
-    )(cs, xs)  # noqa: E731
+    )(cs, xs)
     assert_close(g(scan), g(LAX))
-    per = lambda s: jax.vmap(jax.grad(functools.partial(loss, s), (0, 1)), in_axes)(cs, xs)  # noqa: E731
+    per = lambda s: jax.vmap(jax.grad(functools.partial(loss, s), (0, 1)), in_axes)(cs, xs)
     assert_close(per(scan), per(LAX))
 
 
@@ -193,7 +193,7 @@ def test_literal_and_none_outputs(scan):
         return c * x, (0, 1.5, None, x)
 
     assert_close(scan(f, 1.0, XS[:, 0]), lax.scan(f, 1.0, XS[:, 0]), weak=True)
-    loss = lambda s, c: s(f, c, XS[:, 0])[0] + jnp.sum(s(f, c, XS[:, 0])[1][3])  # noqa: E731
+    loss = lambda s, c: s(f, c, XS[:, 0])[0] + jnp.sum(s(f, c, XS[:, 0])[1][3])
     assert_close(
         jax.grad(functools.partial(loss, scan))(1.0), jax.grad(functools.partial(loss, LAX))(1.0)
     )
@@ -219,11 +219,11 @@ def test_complex_carry_and_residuals(scan):
     c0 = jnp.ones(3, jnp.complex128)
     args = (w, c0)
     assert_close(loss(scan, *args), loss(LAX, *args))
-    g = lambda s: jax.grad(functools.partial(loss, s), argnums=(0, 1))(*args)  # noqa: E731
+    g = lambda s: jax.grad(functools.partial(loss, s), argnums=(0, 1))(*args)
     assert_close(g(scan), g(LAX))
     hvp = lambda s: jax.jvp(
         lambda c: jax.grad(functools.partial(loss, s), 1)(w, c), (c0,), (1j * c0,)
-    )  # noqa: E731
+    )
     assert_close(hvp(scan), hvp(LAX))
 
 
@@ -237,7 +237,7 @@ def test_low_precision(scan, dtype):
     ref = jax.grad(rnn, argnums=2)(LAX, *low)
     assert got.dtype == ref.dtype == dtype
     # Rounding follows the order of operations: no worse than twice lax.scan's own error.
-    err = lambda g: float(jnp.max(jnp.abs(g.astype(jnp.float64) - exact)))  # noqa: E731
+    err = lambda g: float(jnp.max(jnp.abs(g.astype(jnp.float64) - exact)))
     assert err(got) <= 2 * err(ref) + 1e-3
 
 
@@ -251,11 +251,11 @@ def test_keys_ints_and_bools_in_the_carry(scan):
 
     init = (jax.random.key(0), jnp.uint8(3), jnp.bool_(True), C0)
     assert_close(scan(step, init, XS), lax.scan(step, init, XS), weak=True)
-    loss = lambda s, h: jnp.sum(s(step, (*init[:3], h), XS)[0][3])  # noqa: E731
+    loss = lambda s, h: jnp.sum(s(step, (*init[:3], h), XS)[0][3])
     assert_close(
         jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
     )
-    hess = lambda s: jax.hessian(functools.partial(loss, s))(C0)  # noqa: E731
+    hess = lambda s: jax.hessian(functools.partial(loss, s))(C0)
     assert_close(hess(scan), hess(LAX))
 
 
@@ -270,7 +270,7 @@ def test_leaves_without_a_gradient_may_use_ops_without_a_reverse_rule(scan):
         z = lax.while_loop(lambda z: z < 10.0, lambda z: z * 2.0 + 1.0, z * 0.0 + 1.0)
         return (jnp.tanh(h * x[0] + 0.1), z), h.sum() + lax.stop_gradient(z)
 
-    loss = lambda s, h: jnp.sum(s(step, (h, 3.0), XS)[1])  # noqa: E731
+    loss = lambda s, h: jnp.sum(s(step, (h, 3.0), XS)[1])
     assert_close(
         jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
     )
@@ -291,7 +291,7 @@ def test_integer_xs_and_unused_inputs(scan):
 
         return jnp.sum(s(step, C0, idx)[1]) + 0 * jnp.sum(unused[:0])
 
-    g = lambda s: jax.grad(functools.partial(loss, s), (0, 1))(table, XS)  # noqa: E731
+    g = lambda s: jax.grad(functools.partial(loss, s), (0, 1))(table, XS)
     assert_close(g(scan), g(LAX))
 
 
@@ -326,7 +326,7 @@ def test_unsupported_transformations_raise_memento_errors(scan):
 
 def test_variants_really_are_budgeted():
     # The suite means something only if the memento variants run their own executor.
-    loss = lambda s, c: s(body, c, XS)[1].sum()  # noqa: E731
+    loss = lambda s, c: s(body, c, XS)[1].sum()
     for s in MEMENTO:
         assert "custom_vjp_call" in str(jax.make_jaxpr(functools.partial(loss, s))(C0))
         # the backward pass is memento's interpreter loop, where lax.scan's is a scan

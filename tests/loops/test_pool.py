@@ -10,7 +10,7 @@ from memento.loops import _pool
 
 
 def _pools(hidden, internal, base=10):
-    avals = lambda xs: [jax.typeof(x) for x in xs]  # noqa: E731
+    avals = lambda xs: [jax.typeof(x) for x in xs]
     # room for one hidden state below one internal state, and one internal state alone
     return _pool.Pools.of(avals(hidden), avals(internal), np.array([[1, 1], [0, 1]]), base)
 

@@ -336,7 +336,7 @@ def test_byte_budget():
 
 def test_memory_none_is_lax_scan():
     w, h0, xs = rnn_params()
-    f = lambda h, x: (jnp.tanh(w @ h + x), h)  # noqa: E731
+    f = lambda h, x: (jnp.tanh(w @ h + x), h)
     a = jax.make_jaxpr(lambda h0, xs: memento.scan(f, h0, xs))(h0, xs)
     b = jax.make_jaxpr(lambda h0, xs: lax.scan(f, h0, xs))(h0, xs)
     assert str(a) == str(b)
