@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core as jax_core
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
 from ._pool import from_storage
@@ -43,10 +44,6 @@ def split(leaves: Sequence, mask: Sequence[bool]) -> tuple[Leaves, Leaves]:
 def merge(yes: Sequence, no: Sequence, mask: Sequence[bool]) -> Leaves:
     yes_it, no_it = iter(yes), iter(no)
     return [next(yes_it) if m else next(no_it) for m in mask]
-
-
-def float0_zeros(x):
-    return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -278,6 +275,28 @@ def refuse_reverse_over_reverse(args, *, name: str) -> None:
             f"{_HIGHER_ORDER}: use them for Hessians and Hessian-vector products, or "
             "memory=None."
         )
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class Static:
+    """A Python value that travels from a forward rule to its backward rule as pytree
+    structure (no leaves): the body as differentiated, its residuals, its program."""
+
+    value: Any
+
+
+def instantiate(cts, avals, mask, leading=None) -> Leaves:
+    """The cotangents of the differentiated leaves (``mask``), symbolic zeros made
+    concrete (with a ``leading`` axis for stacked outputs)."""
+    out = []
+    for ct, aval, m in zip(cts, avals, mask):
+        if m:
+            if isinstance(ct, SymbolicZero):
+                shape = aval.shape if leading is None else (leading, *aval.shape)
+                ct = jnp.zeros(shape, aval.dtype)
+            out.append(ct)
+    return out
 
 
 def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -10,13 +9,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from ..planning import Schedule
 from ._body import (
     Body,
-    ResidualSpec,
+    Static,
     call_reverse_mode_only,
+    instantiate,
     make_body,
     merge,
     nbytes,
@@ -160,17 +159,6 @@ def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
     return spec, _compile(schedule)
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Static:
-    """Python values that travel from the forward rule to the backward rule as pytree
-    structure (no leaves)."""
-
-    body: Body
-    spec: ResidualSpec
-    prog: Program
-
-
 def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
     """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
 
@@ -188,14 +176,14 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         spec, prog = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
         c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
-        return (c, ys), (consts, init, xs, slots, working, _Static(b, spec, prog))
+        return (c, ys), (consts, init, xs, slots, working, Static((b, spec, prog)))
 
     def bwd(res, cts):
         consts, init, xs, slots, working, static = res
-        b, spec, prog = static.body, static.spec, static.prog
+        b, spec, prog = static.value
         ct_c, ct_ys = cts
-        ct_c_f = _instantiate(ct_c, b.carry_avals, b.carry_mask)
-        ct_ys_f = _instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
+        ct_c_f = instantiate(ct_c, b.carry_avals, b.carry_mask)
+        ct_ys_f = instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
         refuse_reverse_over_reverse((res, cts), name=_NAME)
         ct_k, ct_init, ct_xs = run_backward(
             prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
@@ -209,15 +197,3 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
-
-
-def _instantiate(cts, avals, mask, leading=None):
-    """The cotangents of the differentiated leaves, symbolic zeros made concrete."""
-    out = []
-    for ct, aval, m in zip(cts, avals, mask):
-        if m:
-            if isinstance(ct, SymbolicZero):
-                shape = aval.shape if leading is None else (leading, *aval.shape)
-                ct = jnp.zeros(shape, aval.dtype)
-            out.append(ct)
-    return out

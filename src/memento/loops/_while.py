@@ -35,8 +35,9 @@ from ..planning import _online
 from . import _pool
 from ._body import (
     Body,
+    Static,
     call_reverse_mode_only,
-    float0_zeros,
+    instantiate,
     make_body,
     merge,
     nbytes,
@@ -142,7 +143,7 @@ def while_loop(
     cap = steps if steps is not None else _online.DEFAULT_CAP
     events = _online.online_events(slots, max(cap, 1))
 
-    run = _differentiable_run(body, cond_jaxpr, slots, steps, events)
+    run = _differentiable_run(body, cond_jaxpr, cond_consts, slots, steps, events)
     carry = call_reverse_mode_only(
         run, (body.consts, cond_consts, init_leaves), name=_NAME, instead="lax.while_loop"
     )
@@ -229,7 +230,9 @@ def hsm_split_device(t, m):
 # The custom VJP
 
 
-def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, events):
+def _differentiable_run(
+    body: Body, cond_jaxpr, cond_consts_avals, slots: int, steps: int | None, events
+):
     """The loop as a ``custom_vjp`` function of (consts, cond_consts, init), flat leaves."""
     num_slots = slots - 1  # physical slots; h_0 is the caller's
     store_pos, store_slot = events.store_rows
@@ -260,6 +263,9 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
         return c
 
     def fwd(consts, cond_consts, init):
+        # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
+        b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [])
+        consts, cond_consts, init = ([a.value for a in x] for x in (consts, cond_consts, init))
         hidden = [_pool.stack_of(a, num_slots) for a in body.carry_avals]
         sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
 
@@ -274,25 +280,24 @@ def _differentiable_run(body: Body, cond_jaxpr, slots: int, steps: int | None, e
         state = (jnp.int32(0), jnp.int32(0), list(init), hidden)
         n, _, c, hidden = lax.while_loop(lambda s: running(cond_consts, s[0], s[2]), body_fn, state)
         stack_pos, stack_slot, depth = _stack(n, num_slots, row_pos, row_slot, row_store)
-        return c, (consts, cond_consts, init, hidden, n, stack_pos, stack_slot, depth)
+        res = (consts, init, hidden, n, stack_pos, stack_slot, depth)
+        return c, (res, Static(b))
 
     def bwd(res, ct_final):
-        consts, cond_consts, init, hidden, n, stack_pos, stack_slot, depth = res
         refuse_reverse_over_reverse((res, ct_final), name=_NAME)
-        ct_c, _ = split(ct_final, body.carry_mask)
+        (consts, init, hidden, n, stack_pos, stack_slot, depth), b = res[0], res[1].value
+        ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
         ct_k, ct_init = _backward(
-            body, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c
+            b, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c
         )
-        k_f, k_int = split(consts, body.const_mask)
-        del k_f
-        _, c_int = split(init, body.carry_mask)
+        # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
-            merge(ct_k, [float0_zeros(k) for k in k_int], body.const_mask),
-            [_zero_ct(k) for k in cond_consts],
-            merge(ct_init, [float0_zeros(c) for c in c_int], body.carry_mask),
+            merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
+            [None] * len(cond_consts_avals),
+            merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
         )
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
 
 
@@ -333,12 +338,6 @@ def load_hidden(hidden, init, slot, avals):
         _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
     ]
-
-
-def _zero_ct(x):
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros_like(x)
-    return float0_zeros(x)
 
 
 def _stack(n, num_slots, row_pos, row_slot, row_store):

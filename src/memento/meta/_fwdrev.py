@@ -258,7 +258,18 @@ def _second_order(value, flat, a_idx, p_idx, u, mode):
 
         return jax.jvp(loss_a, (tuple(base[i] for i in a_idx),), (u,))[1]
 
-    return jax.grad(directional)(p0)
+    try:
+        return jax.grad(directional)(p0)
+    except NotImplementedError as e:
+        if "custom_lin" not in str(e):
+            raise
+        raise TypeError(
+            "memento.fwdrev_grad: mode='revfwd' differentiates the loss forward, then in "
+            "reverse, and the loss contains a custom_vjp (a memento.scan or "
+            "memento.while_loop with a memory budget, say) that forward mode cannot "
+            "enter. Use mode='fwdrev' (forward over reverse, exact through budgeted "
+            "loops) or mode='revrev'."
+        ) from e
 
 
 def _aux_vjp(value, flat, p_idx, ct_aux):
