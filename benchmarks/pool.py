@@ -1,4 +1,4 @@
-"""Storing a step's residuals: the word pool of `memento.scan` against typed buffers.
+"""Storing a step's residuals: the typed pools of `memento.scan` against other storage.
 
 The question: what does it cost, per step, to write one step's internal state (the
 residual leaves of an LSTM step's VJP, as `memento.scan` stores them) into slot storage
@@ -6,9 +6,11 @@ and read it back, for
 
 - ``typed``: one buffer per leaf with a leading slot axis (what `memento.while_loop` uses
   for carries);
-- ``pool uint32``: `memento.loops._pool` with 4-byte words (float32 leaves keep their
-  shape), what `memento.scan` uses for float32 states;
-- ``pool uint8``: the same pool with 1-byte words (what it used before words).
+- ``typed pools``: `memento.loops._pool.Pools`, one flat pool per dtype shared by hidden
+  and internal states, what `memento.scan` uses now;
+- ``pool uint32`` / ``pool uint8``: every leaf bitcast into one flat pool of words, the
+  design `memento.scan` used before the typed pools (it lost tangents, complex numbers
+  and keys); kept here, written out below, to compare the two in one process.
 
 Each variant is a loop writing T states, then a loop reading them back in reverse and
 summing them; ``no storage`` makes and sums the same states without storing them, and
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +42,7 @@ def residual_leaves(hidden: int, batch: int) -> list:
     params = _demo.lstm_params(jax.random.PRNGKey(0), hidden)
     xs, init = _demo.lstm_data(jax.random.PRNGKey(1), 1, hidden, batch)
     x = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
-    body, _ = _body.make_body(lambda c, x: _demo.lstm_step(params, c, x), init, x, name="pool")
+    body = _body.make_body(lambda c, x: _demo.lstm_step(params, c, x), init, x, name="pool")
     return [jnp.ones(a.shape, a.dtype) for a in body.residual_spec().stored]
 
 
@@ -70,18 +73,45 @@ def variants(leaves: list, num_steps: int) -> dict:
         bufs = lax.fori_loop(0, num_steps, put, buffers)
         return lax.fori_loop(0, num_steps, get, 0.0)
 
-    def pooled(word):
+    def typed_pools(leaves):
+        avals = [jax.typeof(leaf) for leaf in leaves]
+        # internal states only: a row's arg is the number below it (base 1, no hidden)
+        pools = _pool.Pools.of([], avals, np.array([[0, num_steps]]), 1)
+
+        def put(i, p):
+            return pools.write(p, i, state(leaves, i), "i")
+
+        def get(j, acc):
+            return acc + total(pools.read(p, num_steps - 1 - j, "i"))
+
+        p = lax.fori_loop(0, num_steps, put, pools.allocate())
+        return lax.fori_loop(0, num_steps, get, 0.0)
+
+    def word_pool(word):
+        words = {1: jnp.uint8, 4: jnp.uint32}[word]
+
         def run(leaves):
-            unit = _pool.unit_words(_body.nbytes(leaves), word)
-            pool = _pool.allocate(num_steps, unit, word)
+            sizes = [leaf.size * leaf.dtype.itemsize // word for leaf in leaves]
+            unit = sum(sizes)
 
             def put(i, pool):
-                return _pool.write(pool, i, state(leaves, i), unit)
+                start = i * unit
+                for v, n in zip(state(leaves, i), sizes):
+                    w = lax.bitcast_convert_type(v, words).reshape(-1)
+                    pool = lax.dynamic_update_slice_in_dim(pool, w, start, 0)
+                    start = start + n
+                return pool
 
             def get(j, acc):
-                return acc + total(_pool.read(pool, num_steps - 1 - j, leaves, unit))
+                start, out = (num_steps - 1 - j) * unit, []
+                for leaf, n in zip(leaves, sizes):
+                    w = lax.dynamic_slice_in_dim(pool, start, n)
+                    shape = leaf.shape + ((leaf.dtype.itemsize // word,) if word == 1 else ())
+                    out.append(lax.bitcast_convert_type(w.reshape(shape), leaf.dtype))
+                    start = start + n
+                return acc + total(out)
 
-            pool = lax.fori_loop(0, num_steps, put, pool)
+            pool = lax.fori_loop(0, num_steps, put, jnp.zeros(num_steps * unit, words))
             return lax.fori_loop(0, num_steps, get, 0.0)
 
         return run
@@ -89,8 +119,9 @@ def variants(leaves: list, num_steps: int) -> dict:
     return {
         "no storage": none,
         "typed": typed,
-        "pool uint32": pooled(4),
-        "pool uint8": pooled(1),
+        "typed pools": typed_pools,
+        "pool uint32": word_pool(4),
+        "pool uint8": word_pool(1),
     }
 
 
@@ -105,7 +136,7 @@ def main() -> int:
     _common.use_one_thread()
 
     leaves = residual_leaves(args.hidden, args.batch)
-    state_bytes = _body.nbytes(leaves)
+    state_bytes = _body.nbytes([jax.typeof(leaf) for leaf in leaves])
     compiled = {
         name: _common.compile_fn(f, leaves) for name, f in variants(leaves, args.steps).items()
     }

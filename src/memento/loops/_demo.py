@@ -93,11 +93,14 @@ def memory_slots(fraction: float, num_steps: int) -> int:
 def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
     """The schedule `memento.scan` runs for ``scan(lambda c, x: step(params, c, x), ...)``.
 
-    Chosen as `memento.scan` chooses it: alpha (slots per internal state) is measured
-    from the step's residuals.
+    Chosen as `memento.scan` chooses it for a gradient in ``params``: alpha (slots per
+    internal state) is measured from the residuals of the step differentiated in the
+    closed-over parameters only.
     """
     x_example = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
     body = make_body(lambda c, x: step(params, c, x), init, x_example, name="memento demo")
+    n_init, n_x = len(body.carry_avals), len(body.x_avals)
+    body = body.restrict([True] * len(body.consts), [False] * n_init, [False] * n_x)
     carry_bytes = nbytes(body.carry_avals)
     slots = to_slots(parse_memory(memory, name="memento demo"), carry_bytes, name="memento demo")
     alpha = internal_slots(nbytes(body.residual_spec().stored), carry_bytes)
