@@ -59,20 +59,30 @@ def scan(
             those of one batch member.
         policy: ``"auto"`` (cheapest of the below that fits), ``"hsm"`` (store carries),
             ``"ism"`` (store step residuals, "internal states"), ``"msm"`` (mix). The size
-            of a step's residuals relative to the carry (the paper's alpha) is measured.
+            of a step's residuals relative to the carry (the paper's alpha) is measured
+            when the gradient is traced, from the inputs it differentiates.
 
     Returns:
-        ``(carry, ys)``, as ``lax.scan``.
+        ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included (a
+        weakly typed ``init`` takes the dtype the body gives it).
 
     Raises:
         ValueError: a budget too small for one step (the message names the minimum), an
-            unknown policy, inconsistent lengths.
-        TypeError: a body that changes the carry's structure, shapes or dtypes; a bad
-            ``memory``; forward-mode differentiation (see below).
+            unknown policy, inconsistent lengths; ``policy="ism"`` with a budget below one
+            internal state (when the gradient is traced).
+        TypeError: a body that changes the carry's structure, shapes or dtypes (the
+            message names each leaf); a bad ``memory``; forward mode (see below).
+        NotImplementedError: reverse over reverse (see below).
 
     Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (over the call or inside ``f``),
-    nesting inside another `memento.scan`'s body. Forward mode (``jvp``, ``jacfwd``) is not
-    supported with a budget (the gradient is a custom VJP): use ``memory=None``.
+    nesting, ``jax.checkpoint``; every dtype (complex, bfloat16, ints, bools, keys). Only
+    what is perturbed is differentiated, so ops without a reverse rule may act on leaves
+    that need no gradient. Second order by forward over reverse (``jax.hessian``,
+    ``jax.jvp(jax.grad(f))``, ``jax.jacfwd(jax.jacrev(f))``) is exact. With a budget,
+    forward mode of the loop (``jvp``, ``jacfwd``, reverse over forward) raises a
+    ``TypeError`` and reverse over reverse (``grad(grad(f))``) a ``NotImplementedError``:
+    the gradient is a custom VJP whose backward pass is a while loop. ``memory=None``
+    (``lax.scan``) supports both.
 
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP

@@ -100,7 +100,12 @@ def while_loop(
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops; each member's gradient is its
-    own), nesting. Forward mode (``jvp``) is not supported: use ``lax.while_loop``.
+    own), nesting; every dtype (keys, ints, bools in the carry; a weakly typed
+    ``init_val`` takes the dtype the body gives it, as in ``lax.while_loop``). Only
+    perturbed leaves are differentiated. Second order by forward over reverse
+    (``jax.hessian``, ``jvp(grad)``) is exact. Forward mode (``jvp``) raises a
+    ``TypeError`` (use ``lax.while_loop``), reverse over reverse a
+    ``NotImplementedError``.
 
     Notes:
         The step counter is int32: at most 2**31 - 2 steps. A budget above 64 slots that
