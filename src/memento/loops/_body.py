@@ -177,7 +177,9 @@ class Body:
             found["source"] = self._sources(leaves, consts, x)
             return [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
 
-        stored = jax.eval_shape(probe, _avals(self.consts), self.carry_avals, self.x_avals)
+        _, stored = jax.make_jaxpr(probe, return_shape=True)(
+            _avals(self.consts), self.carry_avals, self.x_avals
+        )
         return ResidualSpec(found["treedef"], found["source"], tuple(stored))
 
     def _sources(self, leaves, consts, x):
@@ -216,10 +218,10 @@ def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:
 
 def _as_aval(x, aval):
     """``x`` (an array or a literal's value) typed as ``aval``: a no-op when it already is."""
-    if isinstance(x, jax.Array) and jax.typeof(x) == jax.core.ShapedArray(
-        aval.shape, aval.dtype, weak_type=aval.weak_type
-    ):
-        return x
+    if isinstance(x, jax.Array):
+        t = jax.typeof(x)
+        if (t.shape, t.dtype, t.weak_type) == (aval.shape, aval.dtype, aval.weak_type):
+            return x
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         return x
     return from_storage(lax.convert_element_type(jnp.asarray(x), aval.dtype), aval)
@@ -310,15 +312,14 @@ def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _aval(x) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    a = jax.typeof(x)
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+def _aval(x):
+    """The exact abstract value of ``x``: shape, dtype, weak type, and under
+    ``shard_map`` the mesh axes it varies over (so a trace inserts the same ``pvary``s as
+    the values' own)."""
+    return x if isinstance(x, (jax.ShapeDtypeStruct, jax_core.ShapedArray)) else jax.typeof(x)
 
 
-def _avals(leaves) -> list[jax.ShapeDtypeStruct]:
-    """Exact avals of ``leaves``: shape, dtype and weak type."""
+def _avals(leaves) -> list:
     return [_aval(l) for l in leaves]
 
 
@@ -368,7 +369,7 @@ def make_body(f: Callable, init, x_example, *, name: str) -> Body:
     carry_avals = tuple(_avals(carry_leaves))
     closed, out_shape = trace(carry_avals)
     promoted = tuple(
-        jax.ShapeDtypeStruct(a.shape, jnp.result_type(np.dtype(a.dtype).type(0).item(), b.dtype))
+        a.update(dtype=jnp.result_type(np.dtype(a.dtype).type(0).item(), b.dtype), weak_type=False)
         if a.weak_type and (a.dtype != b.dtype or not b.weak_type)
         else a
         for a, b in zip(carry_avals, out_shape)

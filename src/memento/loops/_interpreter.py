@@ -192,6 +192,11 @@ class _Layout:
         return self.pools.read(slots.pools, arg, "i")
 
 
+def pool_bytes(prog: Program, body: Body, spec: ResidualSpec) -> int:
+    """Bytes of the slot pools that running ``prog`` on ``body`` allocates."""
+    return _Layout.of(prog, body, spec).pools.nbytes
+
+
 def _stack_tops(prog: Program) -> np.ndarray:
     """``(nh, ni)`` on the stack after each save of the program (see `_Layout`)."""
     base = prog.internal_units

@@ -120,10 +120,41 @@ def nbytes(avals) -> int:
     return total
 
 
+def varying(aval) -> frozenset:
+    """The ``shard_map`` mesh axes that values of ``aval`` vary over (none outside one)."""
+    return getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+
+
+def zeros(shape, dtype, axes: frozenset, spec=None):
+    """Zeros that vary over the ``shard_map`` axes ``axes`` (storage for such values),
+    sharded as ``spec`` (a `jax.sharding.NamedSharding` or None)."""
+    z = jnp.zeros(shape, dtype, out_sharding=spec) if spec is not None else jnp.zeros(shape, dtype)
+    return lax.pcast(z, tuple(sorted(axes)), to="varying") if axes else z
+
+
+def explicit_sharding(aval):
+    """``aval``'s sharding when it is explicit (a mesh with explicit axes), else None:
+    then JAX types every op by its sharding, and storage must be created sharded."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not any(sharding.spec):
+        return None
+    return sharding
+
+
+def _stacked(sharding):
+    """The sharding of a stack of values sharded as ``sharding`` (a new leading axis)."""
+    if sharding is None:
+        return None
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)
+    )
+
+
 def stack_of(aval, n: int):
     """``n`` stored forms of ``aval`` along a new leading axis, zeros."""
     s = storage_aval(aval)
-    return jnp.zeros((n, *s.shape), s.dtype)
+    return zeros((n, *s.shape), s.dtype, varying(aval))
 
 
 def to_storage(x, aval):
@@ -143,38 +174,59 @@ def from_storage(x, aval):
 # The pools
 
 
+def keep_shapes() -> bool:
+    """Whether pools keep each leaf's shape (see `Pools`): when the program may be
+    partitioned over several devices, so that a stored leaf keeps its sharding."""
+    return jax.device_count() > 1
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pools:
     """Where hidden and internal states live; see the module docstring.
 
+    Two layouts, both stacks along axis 0 of each pool:
+
+    - flat (one device): one pool per dtype, of elements; a leaf is stored raveled. A
+      hidden and an internal state share any pool of their common dtype, so the pools
+      hold exactly the schedule's peak when every stored leaf has one dtype.
+    - shaped (``keep_shapes``, several devices): one pool per dtype and shape, of shape
+      ``(n, *shape)``; a leaf is stored as one entry, keeping its shape and therefore
+      its sharding (a batch-sharded leaf is stored where its rows live: no collective).
+      Hidden and internal leaves of the same dtype and shape still share a pool, but
+      peaks of different pools may fall at different times, so the total can exceed
+      the schedule's peak: `memento.scan` then plans for fewer slots until it fits.
+
     Attributes:
         hidden_avals, internal_avals: the leaves of one hidden / internal state.
-        dtypes: one pool per stored dtype.
-        hidden_size, internal_size: elements of each pool that one state takes.
-        sizes: elements of each pool (its peak over the schedule).
+        groups: ``(dtype, entry shape, explicit sharding or None)`` of each pool (shape
+            ``()`` in the flat layout).
+        hidden_size, internal_size: entries of each pool that one state takes.
+        sizes: entries of each pool (its peak over the schedule).
         base: a row's ``arg`` is ``nh + base * ni`` (``-1``: the caller's ``h_0``).
     """
 
     hidden_avals: tuple
     internal_avals: tuple
-    dtypes: tuple
+    groups: tuple
     hidden_size: tuple[int, ...]
     internal_size: tuple[int, ...]
     sizes: tuple[int, ...]
     base: int
 
     @staticmethod
-    def of(hidden_avals, internal_avals, tops: np.ndarray, base: int) -> Pools:
+    def of(hidden_avals, internal_avals, tops: np.ndarray, base: int, shaped=None) -> Pools:
         """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
-        states on the stack after each save (the peak is among them)."""
-        stored = [storage_aval(a) for a in (*hidden_avals, *internal_avals)]
-        dtypes = tuple(dict.fromkeys(np.dtype(s.dtype) for s in stored))
+        states on the stack after each save (the peak is among them). ``shaped``: the
+        layout (default: `keep_shapes`)."""
+        shaped = keep_shapes() if shaped is None else shaped
+        group = _shaped_group if shaped else _flat_group
+        groups = tuple(dict.fromkeys(group(a)[0] for a in (*hidden_avals, *internal_avals)))
 
         def size(avals):
-            out = [0] * len(dtypes)
+            out = [0] * len(groups)
             for a in avals:
-                s = storage_aval(a)
-                out[dtypes.index(np.dtype(s.dtype))] += math.prod(s.shape)
+                g, n = group(a)
+                out[groups.index(g)] += n
             return tuple(out)
 
         hs, is_ = size(hidden_avals), size(internal_avals)
@@ -183,10 +235,28 @@ class Pools:
             int((tops[:, 0] * h + tops[:, 1] * i).max()) if len(tops) else 0
             for h, i in zip(hs, is_)
         )
-        return Pools(tuple(hidden_avals), tuple(internal_avals), dtypes, hs, is_, sizes, base)
+        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, base)
+
+    @property
+    def dtypes(self) -> tuple:
+        return tuple(g[0] for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all pools."""
+        return sum(n * math.prod(e) * d.itemsize for (d, e, _), n in zip(self.groups, self.sizes))
+
+    def _group_of(self, aval) -> tuple[int, int, tuple]:
+        shaped = bool(self.groups) and self.groups[0][1] != ()
+        g, n = (_shaped_group if shaped else _flat_group)(aval)
+        return self.groups.index(g), n, g[1]
 
     def allocate(self) -> list:
-        return [jnp.zeros((n,), d) for n, d in zip(self.sizes, self.dtypes)]
+        axes = frozenset().union(*(varying(a) for a in (*self.hidden_avals, *self.internal_avals)))
+        return [
+            zeros((n, *e), d, axes, _stacked(sharding))
+            for (d, e, sharding), n in zip(self.groups, self.sizes)
+        ]
 
     def _starts(self, arg) -> list:
         arg = jnp.maximum(arg, 0)
@@ -204,25 +274,36 @@ class Pools:
         """
         pools, starts = list(pools), self._starts(arg)
         for leaf, aval in zip(leaves, self._avals(kind)):
-            w = jnp.ravel(to_storage(leaf, aval))
-            if w.size == 0:
+            j, n, e = self._group_of(aval)
+            if n == 0 or math.prod(e) == 0:
                 continue
-            j = self.dtypes.index(np.dtype(w.dtype))
+            w = jnp.reshape(to_storage(leaf, aval), (n, *e))
             if when is not None:
-                w = jnp.where(when, w, lax.dynamic_slice_in_dim(pools[j], starts[j], w.size))
+                w = jnp.where(when, w, lax.dynamic_slice_in_dim(pools[j], starts[j], n))
             pools[j] = lax.dynamic_update_slice_in_dim(pools[j], w, starts[j], 0)
-            starts[j] = starts[j] + w.size
+            starts[j] = starts[j] + n
         return pools
 
     def read(self, pools: Sequence, arg, kind: str, *, stored: bool = False) -> list:
         """The leaves of the state stored at ``arg`` by `write` (``stored=True``: in their
-        storage form, e.g. key data, to be mixed with others before `restore`)."""
+        storage form, e.g. key data, to be mixed with others before `from_storage`)."""
         out, starts = [], self._starts(arg)
         for aval in self._avals(kind):
+            j, n, _ = self._group_of(aval)
             s = storage_aval(aval)
-            j = self.dtypes.index(np.dtype(s.dtype))
-            n = math.prod(s.shape)
             x = lax.dynamic_slice_in_dim(pools[j], starts[j], n).reshape(s.shape)
             starts[j] = starts[j] + n
             out.append(x if stored else from_storage(x, aval))
         return out
+
+
+def _flat_group(aval) -> tuple[tuple, int]:
+    """``((dtype, (), None), entries)`` of a leaf in the flat layout."""
+    s = storage_aval(aval)
+    return (np.dtype(s.dtype), (), None), math.prod(s.shape)
+
+
+def _shaped_group(aval) -> tuple[tuple, int]:
+    """``((dtype, shape, explicit sharding), 1)`` of a leaf in the shaped layout."""
+    s = storage_aval(aval)
+    return (np.dtype(s.dtype), tuple(s.shape), explicit_sharding(aval)), 1

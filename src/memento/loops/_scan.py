@@ -22,7 +22,7 @@ from ._body import (
     refuse_reverse_over_reverse,
 )
 from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
-from ._interpreter import Program, compile_schedule, run_backward, run_sweep
+from ._interpreter import Program, compile_schedule, pool_bytes, run_backward, run_sweep
 
 _NAME = "memento.scan"
 
@@ -122,10 +122,9 @@ def scan(
     )
 
 
-def _slice_aval(x) -> jax.ShapeDtypeStruct:
-    """One step's slice of ``x``, weak type included."""
-    a = jax.typeof(x)
-    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, weak_type=a.weak_type)
+def _slice_aval(x):
+    """The exact abstract value of one step's slice of ``x`` (see `_body._aval`)."""
+    return jax.typeof(lax.index_in_dim(x, 0, keepdims=False))
 
 
 def _length(x_leaves, length) -> int:
@@ -162,11 +161,22 @@ def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated.
+    The pools must fit the budget: when their layout cannot share memory exactly as the
+    schedule does (several dtypes, or the shaped layout of several devices, see
+    `_pool.Pools`), the schedule is planned again for fewer slots until they fit.
     """
     spec = body.residual_spec()
-    alpha = internal_slots(nbytes(spec.stored), nbytes(body.carry_avals))
-    schedule = choose_schedule(num_steps, slots, alpha, policy, name=_NAME)
-    return spec, _compile(schedule)
+    carry_bytes = nbytes(body.carry_avals)
+    alpha = internal_slots(nbytes(spec.stored), carry_bytes)
+    m = slots
+    while True:
+        schedule = choose_schedule(num_steps, m, alpha, policy, name=_NAME)
+        prog = _compile(schedule)
+        used = pool_bytes(prog, body, spec)
+        allowed = (slots - int(schedule.counts_initial)) * carry_bytes
+        if used <= allowed or m == 1:
+            return spec, prog
+        m = max(1, min(m - 1, m * allowed // used))
 
 
 def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
