@@ -5,7 +5,6 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 CPU de
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import memento
+from memento.loops._hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (tests/test_sharding.py provides them)"
@@ -51,42 +51,6 @@ def loss(w, h0, xs, scan):
 
 def budgeted(policy, memory):
     return lambda f, init, xs: memento.scan(f, init, xs, memory=memory, policy=policy)
-
-
-def loop_collectives(hlo: str) -> dict:
-    """Collectives inside while-loop bodies (and the computations they call), by kind."""
-    comps, cur = {}, None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-        elif cur is not None:
-            comps[cur].append(line)
-    called = {
-        c: set(re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)", "\n".join(ls)))
-        | {x for b in re.findall(r"branch_computations=\{([^}]*)\}", "\n".join(ls))
-           for x in re.findall(r"%?([\w.\-]+)", b)}
-        for c, ls in comps.items()
-    }  # fmt: skip
-    todo = [m for ls in comps.values() for l in ls for m in re.findall(r"body=%?([\w.\-]+)", l)]
-    seen = set()
-    while todo:
-        c = todo.pop()
-        if c not in seen and c in comps:
-            seen.add(c)
-            todo.extend(called[c])
-    kinds = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
-    # each collective by its result type: "f64[256,16]" (layouts dropped)
-    return {
-        k: [
-            re.sub(r"\{[\d,]*\}", "", l.split("=", 1)[1].split()[0])
-            for c in seen
-            for l in comps[c]
-            if re.search(rf"\b{k}(-start)?\(", l)
-        ]
-        for k in kinds
-    }
 
 
 def mesh(types=AxisType.Auto, shape=(8,), names=("b",)):
