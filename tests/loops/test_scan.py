@@ -185,7 +185,10 @@ def test_vjp_and_nested_scan():
 
 def test_jvp_raises_clearly():
     w, h0, xs = rnn_params()
-    with pytest.raises(TypeError, match=r"forward-mode .* or memory=None \(lax.scan\) for forward"):
+    with pytest.raises(
+        TypeError,
+        match=r"forward-mode differentiation.*For forward mode use memory=None \(lax.scan\)",
+    ):
         jax.jvp(lambda w: rnn_loss(budgeted(memory=2), w, h0, xs), (w,), (w,))
     # memory=None is lax.scan, which supports forward mode.
     jax.jvp(lambda w: rnn_loss(budgeted(memory=None), w, h0, xs), (w,), (w,))

@@ -1,4 +1,4 @@
-"""Typed slot pools, one per dtype, allocated as a stack.
+"""Typed slot pools, allocated as a stack.
 
 The paper's memory model has one budget of m slots shared by hidden states (1 slot each)
 and internal states (alpha slots each). Typed buffers, one for hidden states and one for
@@ -26,8 +26,10 @@ schedule. When every stored leaf has one dtype (the common case) the pool is the
 schedule's peak memory, the paper's m; with several dtypes each pool takes its own peak,
 which is more only when the dtype mix of hidden and internal states differs.
 
-Pools are flat (1-D), which is what makes the sharing possible: a hidden state and an
-internal state have different shapes.
+On one device the pools are flat (1-D), which is what lets states of different shapes
+share them. On several devices they keep each leaf's shape, and so its sharding (see
+`Pools`): a flat pool cannot be sharded the way a batch-sharded leaf is, and writing
+into it would gather the leaf on every device.
 """
 
 from __future__ import annotations
