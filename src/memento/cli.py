@@ -31,7 +31,7 @@ def _plan(args) -> int:
     replay = schedule.simulate()
     summary = compare_to_bptt(schedule, backward_cost=args.backward_cost)
     if args.plot:
-        from ._plotting import plot_schedule
+        from .apps.plotting import plot_schedule
 
         plot_schedule(schedule, args.plot)
     if args.json:
@@ -75,7 +75,7 @@ def _plan(args) -> int:
 
 
 def _curves(args) -> int:
-    from ._plotting import write_curves
+    from .apps.plotting import write_curves
 
     start = time.perf_counter()
     written = write_curves(args.steps, args.out)
@@ -147,14 +147,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="sequence length")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder")
     p.add_argument("--quick", action="store_true", help="small sizes")
-    p.set_defaults(handler=_delegate("memento.loops._demo", "demo"))
+    p.set_defaults(handler=_delegate("memento.apps.demo", "demo"))
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     p = bench.add_parser("metagrad", help="meta-gradient benchmark (memento.meta)")
     p.add_argument("--quick", action="store_true", help="small sizes")
     p.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
-    p.set_defaults(handler=_delegate("memento.meta._bench", "bench metagrad"))
+    p.set_defaults(handler=_delegate("memento.apps.bench", "bench metagrad"))
     return parser
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .planning import Op, Schedule, chen_sqrt
+from ..planning import Op, Schedule, chen_sqrt
 
 __all__ = [
     "Curves",
@@ -75,7 +75,7 @@ def paper_curves(max_steps: int) -> list[Curves]:
         A list of panels (`Curves`): fig2a_hsm, fig5a_ism, fig5b_msm, fig6a_10alpha,
         fig6b_20alpha, fig7a_chen_memory, fig7b_chen_cost.
     """
-    from .planning import cost_table
+    from ..planning import cost_table
 
     T = max_steps
     t = np.arange(1, T + 1)
@@ -140,7 +140,7 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
     is computed only up to the largest budget that is still short somewhere (at T = 1000,
     2500 slots instead of 5000).
     """
-    from .planning import cost_table
+    from ..planning import cost_table
 
     t = np.arange(1, T + 1)
     fits = 1 + (t - 1) * alpha
@@ -157,7 +157,7 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
 
 def _chen_panels(T: int) -> list[Curves]:
     """Figure 7: MSM against Chen's sqrt(t) budget sqrt(t)(1 + beta), alpha = beta + 1."""
-    from .planning import cost_table
+    from ..planning import cost_table
 
     t = np.arange(1, T + 1)
     chen_memory = np.sqrt(t)

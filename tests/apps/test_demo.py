@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from memento.loops import _demo
+from memento.apps import demo as _demo
 
 
 def test_demo_prints_table_and_saves_schedule(tmp_path, capsys):

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..loops import scan
+from ..loops._body import make_body, nbytes
+from ..loops._budget import choose_schedule, internal_slots, parse_memory, to_slots
 from ..planning import Schedule
-from ._body import make_body, nbytes
-from ._budget import choose_schedule, internal_slots, parse_memory, to_slots
-from ._scan import scan
 
 # (steps, hidden, batch). The default takes about a minute on two busy CPU cores.
 DEMO_SIZE = (4096, 32, 16)
@@ -229,7 +229,7 @@ def main(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     picture = out_dir / "schedule.png"
     try:
-        from .._plotting import plot_schedule
+        from .plotting import plot_schedule
     except ImportError as e:  # matplotlib is optional
         print(f"\n(no schedule picture: {e})")
     else:

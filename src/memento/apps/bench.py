@@ -61,7 +61,7 @@ def _with_ratios(rows: list[dict], key: Sequence[str]) -> list[dict]:
 # ---------------------------------------------------------------------------- part 1
 def toy_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
     """Seed 004's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
-    from ._toy import IMPLEMENTATIONS, make_toy_task
+    from .toy import IMPLEMENTATIONS, make_toy_task
 
     maps = (1, 4, 16) if quick else (1, 4, 16, 64)
     rows = []
@@ -110,15 +110,15 @@ def task_settings(quick: bool = False) -> list[TaskSetting]:
 
 
 def _tasks():
-    from ._tasks import TASKS
+    from .tasks import TASKS
 
     return TASKS
 
 
 def task_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
     """The three tasks on the transformer: default vs memento, across sizes."""
-    from ._tasks import IMPLEMENTATIONS, make_task
-    from ._transformer import TransformerConfig
+    from ..meta._transformer import TransformerConfig
+    from .tasks import IMPLEMENTATIONS, make_task
 
     rows = []
     for s in task_settings(quick):
@@ -153,8 +153,8 @@ def memory_rows(quick: bool = False, repeats: int = 3, slots: int = 8, log=print
     state is exactly one parameter-sized copy and ``memory=slots`` means `slots`
     parameter copies.
     """
-    from ._bilevel import inner_loop
-    from ._toy import toy_apply
+    from ..meta import inner_loop
+    from .toy import toy_apply
 
     # Parameters (D x D) dominate activations (B x D), as in large models.
     dim, batch, num_maps = (128, 8, 4) if quick else (512, 16, 4)
