@@ -8,15 +8,13 @@ first checks that gradient against ``lax.scan``'s, then trains a few Adam steps.
     python examples/equinox_rnn.py [--steps 2000] [--memory 32] [--small]
 """
 
-import argparse
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 
 import memento
-from memento.apps.sequences import noisy_sines
+from memento.apps.sequences import example_arguments, noisy_sines, report_check
 
 HIDDEN = 32
 
@@ -50,23 +48,13 @@ grad = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000, help="sequence length")
-    parser.add_argument("--memory", type=int, default=32, help="carries kept by the backward")
-    parser.add_argument("--train-steps", type=int, default=30)
-    parser.add_argument("--small", action="store_true", help="tiny sizes (for the tests)")
-    args = parser.parse_args(argv)
-    if args.small:
-        args.steps, args.memory, args.train_steps = 60, 6, 3
+    args = example_arguments(argv, description=__doc__)
     model = GRU(HIDDEN, jax.random.PRNGKey(0))
     xs, targets = noisy_sines(jax.random.PRNGKey(1), args.steps, batch=16)
 
     g_memento, _ = grad(model, xs, targets, args.memory)
     g_scan, _ = grad(model, xs, targets, None)
-    diff = jax.tree.reduce(
-        max, jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_memento, g_scan)
-    )
-    print(f"T={args.steps}, memory={args.memory} carries: max |grad - lax.scan grad| = {diff:.1e}")
+    report_check(args, g_memento, g_scan)
 
     optimizer = optax.adam(1e-2)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))

@@ -8,15 +8,13 @@ keeps only ``memory`` carries. The script first checks that gradient against
     python examples/flax_linen_rnn.py [--steps 2000] [--memory 32] [--small]
 """
 
-import argparse
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import memento
-from memento.apps.sequences import noisy_sines
+from memento.apps.sequences import example_arguments, noisy_sines, report_check
 
 HIDDEN = 32
 
@@ -47,23 +45,13 @@ value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=3)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000, help="sequence length")
-    parser.add_argument("--memory", type=int, default=32, help="carries kept by the backward")
-    parser.add_argument("--train-steps", type=int, default=30)
-    parser.add_argument("--small", action="store_true", help="tiny sizes (for the tests)")
-    args = parser.parse_args(argv)
-    if args.small:
-        args.steps, args.memory, args.train_steps = 60, 6, 3
+    args = example_arguments(argv, description=__doc__)
     xs, targets = noisy_sines(jax.random.PRNGKey(1), args.steps, batch=16)
     params = Step().init(jax.random.PRNGKey(0), jnp.zeros((16, HIDDEN)), xs[0])
 
     _, g_memento = value_and_grad(params, xs, targets, args.memory)
     _, g_scan = value_and_grad(params, xs, targets, None)
-    diff = jax.tree.reduce(
-        max, jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_memento, g_scan)
-    )
-    print(f"T={args.steps}, memory={args.memory} carries: max |grad - lax.scan grad| = {diff:.1e}")
+    report_check(args, g_memento, g_scan)
 
     optimizer = optax.adam(1e-2)
 

@@ -8,7 +8,6 @@ gradient against ``lax.scan``'s, then trains a few Adam steps with ``nnx.Optimiz
     python examples/flax_nnx_rnn.py [--steps 2000] [--memory 32] [--small]
 """
 
-import argparse
 import functools
 
 import jax
@@ -17,7 +16,7 @@ import optax
 from flax import nnx
 
 import memento
-from memento.apps.sequences import noisy_sines
+from memento.apps.sequences import example_arguments, noisy_sines, report_check
 
 HIDDEN = 32
 
@@ -47,23 +46,13 @@ def value_and_grad(model, xs, targets, memory):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=2000, help="sequence length")
-    parser.add_argument("--memory", type=int, default=32, help="carries kept by the backward")
-    parser.add_argument("--train-steps", type=int, default=30)
-    parser.add_argument("--small", action="store_true", help="tiny sizes (for the tests)")
-    args = parser.parse_args(argv)
-    if args.small:
-        args.steps, args.memory, args.train_steps = 60, 6, 3
+    args = example_arguments(argv, description=__doc__)
     model = GRU(HIDDEN, nnx.Rngs(0))
     xs, targets = noisy_sines(jax.random.PRNGKey(1), args.steps, batch=16)
 
     _, g_memento = value_and_grad(model, xs, targets, args.memory)
     _, g_scan = value_and_grad(model, xs, targets, None)
-    diff = jax.tree.reduce(
-        max, jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g_memento, g_scan)
-    )
-    print(f"T={args.steps}, memory={args.memory} carries: max |grad - lax.scan grad| = {diff:.1e}")
+    report_check(args, g_memento, g_scan)
 
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
