@@ -46,7 +46,7 @@ def on_files(files, config):
 def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    if isinstance(value, (list, dict)):
+    if value is None or isinstance(value, (list, dict)):
         return ""
     return str(value).replace("|", "\\|")
 
