@@ -121,7 +121,7 @@ def test_plan_memory_in_bytes(capsys):
     argv = ["plan", "--steps", "1000", "--memory", "5MiB", "--policy", "ism"]
     code, out, _ = run(capsys, *argv, "--carry-bytes", "40960")
     assert code == 0
-    assert "1000 steps, 128 slots (5MiB in carries of 40960 bytes)" in out
+    assert "1000 steps, 128 slots = 5MiB in 40960-byte carries (a slot" in out
     code, _, err = run(capsys, *argv)
     assert code == 2 and "give --carry-bytes" in err
     code, _, err = run(capsys, *argv, "--carry-bytes", str(6 * 2**20))

@@ -3,13 +3,16 @@
 Thin by design: it parses arguments, calls the library and prints. Examples::
 
     memento plan --steps 1000 --memory 50 --policy ism
+    memento plan --steps 4096 --memory 5MiB --carry-bytes 4096 --alpha 9
     memento plan --steps 1000 --memory 250 --policy msm --alpha 5 --json
     memento plan --steps 40 --memory 4 --policy hsm --plot schedule.png
     memento curves --steps 1000 --out figures/
     memento demo --quick
     memento bench metagrad --quick --json metagrad.json
 
-Bad values exit with status 2 and the library's message on stderr.
+Bad values exit with status 2 and the library's message on stderr; a missing optional
+dependency exits with status 1 and the ``pip install`` that adds it. Progress of long
+commands goes to stderr, so stdout stays the result.
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ def _plan(args) -> int:
         chosen = f" (policy auto, as memento.scan with alpha={schedule.alpha})"
     budget = _plural(schedule.memory, "slot")
     if args.carry_bytes is not None:
-        budget += f" ({args.memory} in carries of {args.carry_bytes} bytes)"
+        budget += f" = {args.memory} in {args.carry_bytes}-byte carries"
     print(
         f"{schedule.policy.upper()} schedule{chosen}: {_plural(t, 'step')}, {budget}"
         f" ({_describe(schedule)})"
