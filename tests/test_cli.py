@@ -262,3 +262,11 @@ def test_python_m_memento_and_light_import():
         [sys.executable, "-m", "memento", "plan", "--steps", "5"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "required" in done.stderr
+
+
+def test_long_plan_reports_progress_on_stderr(capsys):
+    argv = ["plan", "--steps", "30000", "--memory", "100", "--policy", "hsm", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0
+    assert json.loads(out)["num_steps"] == 30000  # stdout stays one JSON object
+    assert err.startswith("memento plan: planning 30000 steps ...\n")
