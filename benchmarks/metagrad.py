@@ -11,7 +11,7 @@ and prints Markdown tables. Never run by pytest.
 import argparse
 import time
 
-from memento.meta import _bench
+from memento.apps import bench as _bench
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
-from memento.loops import _body, _demo, _pool
+from memento.apps import demo as _demo
+from memento.loops import _body, _pool
 
 
 def residual_leaves(hidden: int, batch: int) -> list:

@@ -57,7 +57,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 import memento
-from memento.loops import _demo
+from memento.apps import demo as _demo
 
 DEFAULT_SIZES = ((1024, 128, 32), (4096, 64, 16))
 QUICK_SIZES = ((256, 32, 8),)

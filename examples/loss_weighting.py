@@ -5,9 +5,10 @@ that sequence's next-token loss in the inner loop. Half the training sequences h
 noise, which does not help the validation loss; the script prints the mean weight of
 clean and of noise sequences as meta-training goes. eta appears only inside the inner
 loss, so its meta-gradient is made of mixed second derivatives d2L/(dtheta deta),
-computed forward-over-reverse.
+computed forward-over-reverse. The task is
+`memento.apps.tasks.make_task("loss_weighting", ...)`, the one the benchmarks time.
 
-    python examples/loss_weighting.py [--outer-steps 20]
+    python examples/loss_weighting.py [--outer-steps 20] [--small]
 """
 
 import argparse
@@ -16,42 +17,30 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from memento.meta import inner_loop
+from memento.apps.tasks import make_task, sequence_weights, task_batches
 from memento.meta import transformer as tfm
 
 CONFIG = tfm.TransformerConfig(vocab_size=32, seq_len=32, d_model=32, num_heads=2, num_layers=2)
+SMALL = tfm.TransformerConfig(vocab_size=16, seq_len=8, d_model=8, num_heads=2, num_layers=1)
+BATCH = 8
 
 
-def weights(eta, tokens):
-    score = jnp.mean(tfm.apply(eta, tokens[:, :-1], CONFIG)[..., 0], axis=-1)
-    return 2.0 * jax.nn.sigmoid(score)
+def with_noise(key, config, train):
+    """The second half of each inner batch replaced by uniform noise."""
+    noise = jax.random.randint(key, train.shape, 0, config.vocab_size)
+    return jnp.where(jnp.arange(BATCH)[None, :, None] < BATCH // 2, train, noise)
 
 
-def inner_loss(theta, eta, tokens):
-    return jnp.mean(weights(eta, tokens) * tfm.token_losses(theta, tokens, CONFIG))
-
-
-def meta_loss(eta, theta0, train, val):
-    theta = inner_loop(inner_loss, optax.adam(3e-3, eps_root=1e-12), theta0, eta, train)
-    return tfm.ntp_loss(theta, val, CONFIG)
-
-
-def make_batches(key, steps, batch):
-    k1, k2 = jax.random.split(key)
-    shape = (steps, batch, CONFIG.seq_len + 1)
-    clean = tfm.synthetic_tokens(k1, shape, CONFIG.vocab_size)
-    noise = jax.random.randint(k2, shape, 0, CONFIG.vocab_size)
-    # First half of each batch follows the bigram chain, second half is uniform noise.
-    return jnp.where(jnp.arange(batch)[None, :, None] < batch // 2, clean, noise)
-
-
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--outer-steps", type=int, default=20)
     parser.add_argument("--inner-steps", type=int, default=2)
-    args = parser.parse_args()
-    theta0 = tfm.init_params(jax.random.PRNGKey(0), CONFIG)
-    eta = tfm.init_params(jax.random.PRNGKey(2), CONFIG)
+    parser.add_argument("--small", action="store_true", help="a tiny model (for the tests)")
+    args = parser.parse_args(argv)
+    config = SMALL if args.small else CONFIG
+    meta_loss, eta, first = make_task(
+        "loss_weighting", config, num_steps=args.inner_steps, batch_size=BATCH
+    )
     # A zero output head makes every weight start at exactly 1.
     eta["head"] = jnp.zeros_like(eta["head"])
     outer = optax.adam(1e-2)
@@ -59,17 +48,17 @@ def main():
     step = jax.jit(jax.value_and_grad(meta_loss))
     key = jax.random.PRNGKey(1)
     for i in range(args.outer_steps):
-        key, k1, k2 = jax.random.split(key, 3)
-        train = make_batches(k1, args.inner_steps, 8)
-        val = tfm.synthetic_tokens(k2, (4, CONFIG.seq_len + 1), CONFIG.vocab_size)
-        loss, grads = step(eta, theta0, train, val)
+        key, k_data, k_noise = jax.random.split(key, 3)
+        data = task_batches(k_data, config, num_steps=args.inner_steps, batch_size=BATCH)
+        data = {**data, "train": with_noise(k_noise, config, data["train"]), "init": first["init"]}
+        loss, grads = step(eta, data)
         updates, state = outer.update(grads, state)
         eta = optax.apply_updates(eta, updates)
         if i % 5 == 0 or i == args.outer_steps - 1:
-            w = weights(eta, train[0])
+            w = sequence_weights(eta, data["train"][0], config)
             print(
                 f"outer step {i:3d}: validation loss {loss:.4f}, weight clean "
-                f"{jnp.mean(w[:4]):.3f} vs noise {jnp.mean(w[4:]):.3f}"
+                f"{jnp.mean(w[: BATCH // 2]):.3f} vs noise {jnp.mean(w[BATCH // 2 :]):.3f}"
             )
 
 

@@ -2,9 +2,10 @@
 
 eta is the inner loop's starting point, theta_0 = eta; each outer step adapts a copy to
 T inner batches with Adam and moves eta to lower the adapted model's validation loss.
-The meta-gradient runs forward-over-reverse (memento.meta.inner_loop's default).
+The meta-gradient runs forward-over-reverse (memento.meta.inner_loop's default). The
+task itself is `memento.apps.tasks.make_task("maml", ...)`, the one the benchmarks time.
 
-    python examples/maml.py [--outer-steps 20]
+    python examples/maml.py [--outer-steps 20] [--small]
 """
 
 import argparse
@@ -12,40 +13,29 @@ import argparse
 import jax
 import optax
 
-from memento.meta import inner_loop
+from memento.apps.tasks import make_task, task_batches
 from memento.meta import transformer as tfm
 
 CONFIG = tfm.TransformerConfig(vocab_size=32, seq_len=32, d_model=32, num_heads=2, num_layers=2)
+SMALL = tfm.TransformerConfig(vocab_size=16, seq_len=8, d_model=8, num_heads=2, num_layers=1)
 
 
-def inner_loss(theta, _eta, tokens):
-    return tfm.ntp_loss(theta, tokens, CONFIG)
-
-
-def meta_loss(eta, train, val):
-    # Adam needs eps_root > 0 for meta-gradients (inner_loop refuses 0).
-    inner_opt = optax.adam(3e-3, eps_root=1e-12)
-    theta = inner_loop(inner_loss, inner_opt, eta, eta, train)  # theta_0 = eta
-    return tfm.ntp_loss(theta, val, CONFIG)
-
-
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--outer-steps", type=int, default=20)
     parser.add_argument("--inner-steps", type=int, default=2)
-    args = parser.parse_args()
-    eta = tfm.init_params(jax.random.PRNGKey(0), CONFIG)
+    parser.add_argument("--small", action="store_true", help="a tiny model (for the tests)")
+    args = parser.parse_args(argv)
+    config = SMALL if args.small else CONFIG
+    meta_loss, eta, _ = make_task("maml", config, num_steps=args.inner_steps, batch_size=4)
     outer = optax.adam(1e-2)
     state = outer.init(eta)
     step = jax.jit(jax.value_and_grad(meta_loss))
     key = jax.random.PRNGKey(1)
     for i in range(args.outer_steps):
-        key, k1, k2 = jax.random.split(key, 3)
-        train = tfm.synthetic_tokens(
-            k1, (args.inner_steps, 4, CONFIG.seq_len + 1), CONFIG.vocab_size
-        )
-        val = tfm.synthetic_tokens(k2, (4, CONFIG.seq_len + 1), CONFIG.vocab_size)
-        loss, grads = step(eta, train, val)
+        key, k = jax.random.split(key)
+        data = task_batches(k, config, num_steps=args.inner_steps, batch_size=4)
+        loss, grads = step(eta, data)
         updates, state = outer.update(grads, state)
         eta = optax.apply_updates(eta, updates)
         if i % 5 == 0 or i == args.outer_steps - 1:

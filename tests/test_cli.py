@@ -35,7 +35,9 @@ def test_plan_human_output(capsys, revolve_planner):
     # HSM's closed form: C(1000, 10) = 5 * 1000 - binom(14, 11) = 4636.
     assert "4636 forward steps, 4.636 per step" in out
     assert "10 slots at peak: 99.0% less than plain BPTT" in out
-    assert "(1001 slots, every internal state)" in out
+    # HSM counts h_0, so plain BPTT is h_0 plus every internal state.
+    assert "(1001 slots: h_0 and 1000 internal states)" in out
+    assert "REVOLVE stores hidden states only; h_0 takes one" in out and "alpha" not in out
     ratio = (4636 + 2000) / 3000
     assert f"{ratio:.3f}x plain BPTT" in out
     assert "peak 10 slots" in out
@@ -91,6 +93,43 @@ def test_plan_policies_json(capsys, policy):
     assert record["memory"] <= 30
 
 
+def test_plan_wording(capsys):
+    code, out, _ = run(capsys, "plan", "--steps", "10000", "--memory", "2", "--policy", "ism")
+    assert code == 0
+    # 1 - 2/10000 is 99.98%, never rounded up to 100%.
+    assert "99.98% less than plain BPTT (10000 slots: 10000 internal states)" in out
+    assert "h_0 is given, not counted" in out and "alpha=1 slot;" in out
+    code, out, _ = run(capsys, "plan", "--steps", "1", "--memory", "3", "--policy", "hsm")
+    assert "1 step, 3 slots" in out and "1 forward step," in out and "1 action checked" in out
+
+
+def test_plan_auto_is_the_default(capsys):
+    code, out, _ = run(capsys, "plan", "--steps", "1000", "--memory", "50")
+    assert code == 0
+    assert out.startswith("ISM schedule (policy auto, as memento.scan with alpha=1): 1000 steps")
+    code, out, _ = run(
+        capsys, "plan", "--steps", "1000", "--memory", "50", "--alpha", "5", "--json"
+    )
+    record = json.loads(out)
+    assert record["requested_policy"] == "auto" and record["alpha"] == 5
+    assert record["policy"] in ("hsm", "ism", "msm")
+    code, _, err = run(capsys, "plan", "--steps", "10", "--memory", "5", "--beta", "2")
+    assert code == 2 and "--beta needs --policy msm" in err
+
+
+def test_plan_memory_in_bytes(capsys):
+    argv = ["plan", "--steps", "1000", "--memory", "5MiB", "--policy", "ism"]
+    code, out, _ = run(capsys, *argv, "--carry-bytes", "40960")
+    assert code == 0
+    assert "1000 steps, 128 slots = 5MiB in 40960-byte carries (a slot" in out
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "give --carry-bytes" in err
+    code, _, err = run(capsys, *argv, "--carry-bytes", str(6 * 2**20))
+    assert code == 2 and "cannot hold even one carry" in err
+    code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "5", "--carry-bytes", "8")
+    assert code == 2 and "already a number of slots" in err
+
+
 def test_curves(capsys, tmp_path):
     code, out, _ = run(capsys, "curves", "--steps", "60", "--out", str(tmp_path))
     assert code == 0
@@ -109,6 +148,35 @@ def test_curves(capsys, tmp_path):
         assert float(values[0]) == pytest.approx(expect, rel=1e-5)
     for name in ("fig5a_ism", "fig5b_msm", "fig6a_10alpha", "fig7b_chen_cost"):
         assert (tmp_path / f"{name}.csv").stat().st_size > 0
+
+
+def test_curves_bad_steps_writes_nothing(capsys, tmp_path):
+    code, _, err = run(capsys, "curves", "--steps", "0", "--out", str(tmp_path / "figs"))
+    assert code == 2 and "num_steps must be >= 1, got 0" in err
+    assert not (tmp_path / "figs").exists()
+
+
+def test_missing_matplotlib_hint(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, out, err = run(capsys, "curves", "--steps", "5", "--out", str(tmp_path / "figs"))
+    assert code == 1 and out == ""
+    assert (
+        err
+        == 'memento curves: needs matplotlib, which is not installed: pip install "memento[plot]"\n'
+    )
+    assert not (tmp_path / "figs").exists()
+    argv = ["plan", "--steps", "5", "--memory", "2", "--policy", "hsm", "--plot", "x.png"]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and 'pip install "memento[plot]"' in err
+
+
+def test_missing_jax_hint(capsys, monkeypatch):
+    monkeypatch.delitem(sys.modules, "memento.apps.demo", raising=False)
+    monkeypatch.setitem(sys.modules, "jax", None)
+    code, _, err = run(capsys, "demo", "--quick")
+    assert code == 1
+    assert err == 'memento demo: needs jax, which is not installed: pip install "memento[jax]"\n'
 
 
 @pytest.mark.parametrize(
@@ -162,23 +230,23 @@ def test_usage_errors(capsys):
 
 def test_hooks_dispatch_lazily(capsys, monkeypatch):
     calls = []
-    fake = type(sys)("memento.loops._demo")
+    fake = type(sys)("memento.apps.demo")
     fake.main = lambda args: calls.append(("demo", args.steps, args.out, args.quick))
-    monkeypatch.setitem(sys.modules, "memento.loops._demo", fake)
+    monkeypatch.setitem(sys.modules, "memento.apps.demo", fake)
     assert cli.main(["demo", "--steps", "7", "--out", "d", "--quick"]) == 0
-    fake = type(sys)("memento.meta._bench")
+    fake = type(sys)("memento.apps.bench")
     fake.main = lambda args: calls.append(("bench", args.quick, args.json)) or 0
-    monkeypatch.setitem(sys.modules, "memento.meta._bench", fake)
+    monkeypatch.setitem(sys.modules, "memento.apps.bench", fake)
     assert cli.main(["bench", "metagrad", "--json", "r.json"]) == 0
     assert calls == [("demo", 7, "d", True), ("bench", False, "r.json")]
 
 
 def test_hooks_missing_module(capsys, monkeypatch):
     # A module that cannot be imported: the hook says so and exits non-zero.
-    monkeypatch.setitem(sys.modules, "memento.meta._bench", None)
+    monkeypatch.setitem(sys.modules, "memento.apps.bench", None)
     code, _, err = run(capsys, "bench", "metagrad", "--quick")
     assert code == 1
-    assert "memento bench metagrad: not available" in err and "memento.meta._bench" in err
+    assert "memento bench metagrad: not available" in err and "memento.apps.bench" in err
 
 
 def test_python_m_memento_and_light_import():
@@ -194,3 +262,11 @@ def test_python_m_memento_and_light_import():
         [sys.executable, "-m", "memento", "plan", "--steps", "5"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "required" in done.stderr
+
+
+def test_long_plan_reports_progress_on_stderr(capsys):
+    argv = ["plan", "--steps", "30000", "--memory", "100", "--policy", "hsm", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0
+    assert json.loads(out)["num_steps"] == 30000  # stdout stays one JSON object
+    assert err.startswith("memento plan: planning 30000 steps ...\n")

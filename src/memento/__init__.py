@@ -1,10 +1,13 @@
 """memento: reverse-mode gradients through long loops, under a memory budget.
 
 ``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
-`fwdrev_grad`, `meta`) load on first use.
+`bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `chain` where the installed version
+has it) load on first use, through the module ``__getattr__`` below; type checkers read
+their real signatures from the ``TYPE_CHECKING`` imports.
 """
 
 import importlib as _importlib
+from typing import TYPE_CHECKING
 
 from .planning import BpttComparison as BpttComparison
 from .planning import (
@@ -35,10 +38,23 @@ from .planning import store_none as store_none
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at runtime)
+    from . import loops as loops
+    from . import meta as meta
+    from .loops import bytes_budget as bytes_budget
+
+    # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it lands
+    # the name is unknown to checkers (and an AttributeError at runtime), not an error here.
+    from .loops import chain as chain  # pyright: ignore[reportAttributeAccessIssue]
+    from .loops import scan as scan
+    from .loops import while_loop as while_loop
+    from .meta import fwdrev_grad as fwdrev_grad
+
 # name -> (module, attribute); attribute None means the module itself.
 _LAZY = {
     "scan": ("memento.loops", "scan"),
     "while_loop": ("memento.loops", "while_loop"),
+    "chain": ("memento.loops", "chain"),
     "bytes_budget": ("memento.loops", "bytes_budget"),
     "fwdrev_grad": ("memento.meta", "fwdrev_grad"),
     "meta": ("memento.meta", None),

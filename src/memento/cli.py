@@ -3,13 +3,16 @@
 Thin by design: it parses arguments, calls the library and prints. Examples::
 
     memento plan --steps 1000 --memory 50 --policy ism
+    memento plan --steps 4096 --memory 5MiB --carry-bytes 4096 --alpha 9
     memento plan --steps 1000 --memory 250 --policy msm --alpha 5 --json
     memento plan --steps 40 --memory 4 --policy hsm --plot schedule.png
     memento curves --steps 1000 --out figures/
     memento demo --quick
     memento bench metagrad --quick --json metagrad.json
 
-Bad values exit with status 2 and the library's message on stderr.
+Bad values exit with status 2 and the library's message on stderr; a missing optional
+dependency exits with status 1 and the ``pip install`` that adds it. Progress of long
+commands goes to stderr, so stdout stays the result.
 """
 
 from __future__ import annotations
@@ -24,21 +27,114 @@ import time
 __all__ = ["main"]
 
 
-def _plan(args) -> int:
-    from .planning import compare_to_bptt, plan
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
-    schedule = plan(args.steps, args.memory, policy=args.policy, alpha=args.alpha, beta=args.beta)
+
+def _percent(fraction: float) -> str:
+    """``fraction`` as a percentage with enough digits never to round to 0% or 100%."""
+    for digits in range(1, 8):
+        text = f"{100 * fraction:.{digits}f}"
+        if (float(text) < 100 or fraction >= 1) and (float(text) > 0 or fraction <= 0):
+            return text + "%"
+    return f"{100 * fraction:.8g}%"
+
+
+def _progress(message: str) -> None:
+    """One line on stderr, so that stdout stays the result (and ``--json`` stays JSON)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# Optional dependencies: the top-level module -> the extra that installs it.
+_EXTRAS = {"jax": "jax", "jaxlib": "jax", "optax": "jax", "matplotlib": "plot"}
+
+
+def _missing(error: ModuleNotFoundError) -> str | None:
+    """A one-line install hint when ``error`` is an optional dependency, else None."""
+    root = (error.name or "").partition(".")[0]
+    if root not in _EXTRAS:
+        return None
+    return f'needs {root}, which is not installed: pip install "memento[{_EXTRAS[root]}]"'
+
+
+def _slots(args) -> int:
+    """``--memory`` in slots: a plain number, or bytes divided by ``--carry-bytes``."""
+    if args.memory.isdigit():
+        if args.carry_bytes is not None:
+            raise ValueError(
+                f"--carry-bytes applies to a --memory in bytes such as '5MiB'; "
+                f"--memory {args.memory} is already a number of slots."
+            )
+        return int(args.memory)
+    if args.carry_bytes is None:
+        raise ValueError(
+            f"--memory {args.memory!r} is a size in bytes: give --carry-bytes (the bytes of "
+            "one carry, one slot) to turn it into slots, or pass a number of slots."
+        )
+    # memento.scan's own reading of sizes (NumPy only, but its package imports jax).
+    from .loops import _budget as budget
+
+    name = "memento plan --memory"
+    return budget.to_slots(budget.parse_memory(args.memory, name=name), args.carry_bytes, name=name)
+
+
+def _schedule(args, slots: int):
+    from .planning import msm_estimate_s, plan
+
+    if args.policy != "auto":
+        if args.policy == "msm":
+            seconds = msm_estimate_s(
+                args.steps, slots, args.alpha or 1, args.beta or args.alpha or 1
+            )
+            if seconds > 2:
+                _progress(f"memento plan: planning MSM, about {seconds:.0f} s ...")
+        return plan(args.steps, slots, policy=args.policy, alpha=args.alpha, beta=args.beta)
+    if args.beta is not None:
+        raise ValueError(
+            "--beta needs --policy msm; 'auto' plans MSM with beta = alpha, as memento.scan."
+        )
+    # memento.scan's own rule (NumPy only, but its package imports jax).
+    from .loops import _budget as budget
+
+    return budget.choose_schedule(args.steps, slots, args.alpha or 1, "auto", name="memento plan")
+
+
+def _describe(schedule) -> str:
+    """What a slot is under the schedule's memory model, for the first line."""
+    from .planning import Op
+
+    a, b = schedule.alpha, schedule.beta
+    h0 = "h_0 takes one" if schedule.counts_initial else "h_0 is given, not counted"
+    if not (schedule.actions[:, 0] == Op.SAVE_INTERNAL).any():  # HSM, revolve
+        policy = schedule.policy.upper()
+        return f"a slot holds one hidden state; {policy} stores hidden states only; {h0}"
+    internal = f"an internal state takes alpha={_plural(a, 'slot')}"
+    if schedule.policy == "msm" and b != a:
+        internal += f" ({b} when its input hidden state is stored)"
+    return f"a slot holds one hidden state; {internal}; {h0}"
+
+
+def _plan(args) -> int:
+    from .planning import compare_to_bptt
+
+    if args.steps > 20_000:
+        _progress(f"memento plan: planning {args.steps} steps ...")
+    schedule = _schedule(args, _slots(args))
+    if len(schedule.actions) > 200_000:
+        _progress(f"memento plan: replaying {len(schedule.actions)} actions ...")
     replay = schedule.simulate()
     summary = compare_to_bptt(schedule, backward_cost=args.backward_cost)
     if args.plot:
-        from ._plotting import plot_schedule
+        from .apps.plotting import plot_schedule
 
         plot_schedule(schedule, args.plot)
     if args.json:
         record = {
             "policy": schedule.policy,
+            "requested_policy": args.policy,
             "alpha": schedule.alpha,
             "beta": schedule.beta,
+            "counts_initial": schedule.counts_initial,
             **dataclasses.asdict(summary),
             "budget": schedule.memory,
             "actions": len(schedule.actions),
@@ -49,25 +145,39 @@ def _plan(args) -> int:
         print(json.dumps(record))
         return 0
     t, b = summary.num_steps, summary.backward_cost
+    chosen = ""
+    if args.policy == "auto":
+        chosen = f" (policy auto, as memento.scan with alpha={schedule.alpha})"
+    budget = _plural(schedule.memory, "slot")
+    if args.carry_bytes is not None:
+        budget += f" = {args.memory} in {args.carry_bytes}-byte carries"
     print(
-        f"{schedule.policy.upper()} schedule: {t} steps, {schedule.memory} slots"
-        f" (a slot holds a hidden state, an internal state takes alpha={schedule.alpha})"
+        f"{schedule.policy.upper()} schedule{chosen}: {_plural(t, 'step')}, {budget}"
+        f" ({_describe(schedule)})"
     )
     print(
-        f"  cost            {summary.cost} forward steps, {summary.cost_per_step:.3f} per step"
-        " (plain BPTT: 1.000)"
+        f"  cost            {_plural(summary.cost, 'forward step')},"
+        f" {summary.cost_per_step:.3f} per step (plain BPTT: 1.000)"
     )
+    # Plain BPTT keeps every internal state (beta slots each: its input is held by the
+    # previous one) and, where the policy counts it, h_0.
+    internal = _plural(t, "internal state")
+    contents = f"h_0 and {internal}" if schedule.counts_initial else internal
+    if schedule.beta != 1:
+        contents += f" of {schedule.beta} slots"
     print(
-        f"  memory          {summary.memory} slots at peak: {100 * summary.memory_saved:.1f}%"
-        f" less than plain BPTT ({summary.bptt_memory} slots, every internal state)"
+        f"  memory          {_plural(summary.memory, 'slot')} at peak:"
+        f" {_percent(summary.memory_saved)} less than plain BPTT"
+        f" ({_plural(summary.bptt_memory, 'slot')}: {contents})"
     )
     print(
         f"  predicted time  {summary.time_ratio:.3f}x plain BPTT"
         f" (forward = 1, backward = {b:g}: {summary.cost + t * b:.10g} vs {t * (1 + b):.10g})"
     )
     print(
-        f"  replay          {len(schedule.actions)} actions checked:"
-        f" {replay.forward_evaluations} forward evaluations, peak {replay.peak_memory} slots"
+        f"  replay          {_plural(len(schedule.actions), 'action')} checked:"
+        f" {_plural(replay.forward_evaluations, 'forward evaluation')},"
+        f" peak {_plural(replay.peak_memory, 'slot')}"
     )
     if args.plot:
         print(f"  plot            {args.plot}")
@@ -75,10 +185,11 @@ def _plan(args) -> int:
 
 
 def _curves(args) -> int:
-    from ._plotting import write_curves
+    from .apps.plotting import write_curves
 
     start = time.perf_counter()
-    written = write_curves(args.steps, args.out)
+    log = (lambda line: _progress(f"memento curves: {line}")) if args.steps > 300 else None
+    written = write_curves(args.steps, args.out, log=log)
     seconds = time.perf_counter() - start
     print(f"Figures 2a, 5a, 5b, 6, 7 of Gruslys et al. for t = 1..{args.steps} ({seconds:.1f} s):")
     for path in written:
@@ -93,7 +204,8 @@ def _delegate(module: str, command: str):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            print(f"memento {command}: not available ({module}: {e})", file=sys.stderr)
+            hint = _missing(e) or f"not available ({module}: {e})"
+            print(f"memento {command}: {hint}", file=sys.stderr)
             return 1
         return int(mod.main(args) or 0)
 
@@ -117,13 +229,30 @@ def _parser() -> argparse.ArgumentParser:
         " with plain BPTT (time model: forward = 1, backward = --backward-cost).",
     )
     p.add_argument("--steps", type=int, required=True, help="sequence length t")
-    p.add_argument("--memory", type=int, required=True, help="budget m, in slots")
+    p.add_argument(
+        "--memory",
+        required=True,
+        help="budget m: a number of slots (one slot holds one carry), or bytes such as"
+        " '5MiB' together with --carry-bytes",
+    )
+    p.add_argument(
+        "--carry-bytes",
+        type=int,
+        metavar="N",
+        help="bytes of one carry (one slot), to read --memory in bytes",
+    )
     p.add_argument(
         "--policy",
-        required=True,
-        help="hsm (hidden states only), ism (internal states only) or msm (mixed)",
+        default="auto",
+        choices=("auto", "hsm", "ism", "msm"),
+        help="auto (default, as memento.scan: the least predicted work of the three),"
+        " hsm (hidden states only), ism (internal states only) or msm (mixed)",
     )
-    p.add_argument("--alpha", type=int, help="slots per internal state")
+    p.add_argument(
+        "--alpha",
+        type=int,
+        help="slots per internal state (memento.scan measures it; default 1)",
+    )
     p.add_argument("--beta", type=int, help="slots per internal state whose input is held")
     p.add_argument(
         "--backward-cost",
@@ -147,14 +276,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="sequence length")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder")
     p.add_argument("--quick", action="store_true", help="small sizes")
-    p.set_defaults(handler=_delegate("memento.loops._demo", "demo"))
+    p.set_defaults(handler=_delegate("memento.apps.demo", "demo"))
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     p = bench.add_parser("metagrad", help="meta-gradient benchmark (memento.meta)")
     p.add_argument("--quick", action="store_true", help="small sizes")
     p.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
-    p.set_defaults(handler=_delegate("memento.meta._bench", "bench metagrad"))
+    p.set_defaults(handler=_delegate("memento.apps.bench", "bench metagrad"))
     return parser
 
 
@@ -167,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success; 2 for bad arguments, values the library rejects or files that cannot
         be written (the message is printed on stderr, without a traceback); 1 when an
+        optional dependency is missing (with the ``pip install`` that adds it) or an
         optional subcommand is not available.
     """
     parser = _parser()
@@ -176,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         return args.handler(args)
+    except ModuleNotFoundError as e:
+        hint = _missing(e)
+        if hint is None:
+            raise
+        print(f"memento {args.command}: {hint}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, NotImplementedError, OSError) as e:
         print(f"memento {args.command}: error: {e}", file=sys.stderr)
         return 2

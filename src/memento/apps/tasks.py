@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._bilevel import inner_loop
-from ._transformer import (
+from ..meta import inner_loop
+from ..meta._transformer import (
     TransformerConfig,
     apply,
     init_params,
@@ -40,6 +40,33 @@ IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "default": {"mode": "revrev", "remat": True, "save_inner_grads": False},
     "memento": {"mode": "fwdrev", "remat": True, "save_inner_grads": True},
 }
+
+
+def task_batches(
+    key: jax.Array, config: TransformerConfig, *, num_steps: int, batch_size: int
+) -> dict[str, Any]:
+    """Fresh synthetic batches for one outer step of any task.
+
+    Returns:
+        ``{"train": [num_steps, batch_size, seq_len + 1], "val": [batch_size, seq_len + 1]}``
+        token ids (`memento.meta.transformer.synthetic_tokens`).
+    """
+    k_train, k_val = jax.random.split(key)
+    tokens_shape = (batch_size, config.seq_len + 1)
+    return {
+        "train": synthetic_tokens(k_train, (num_steps, *tokens_shape), config.vocab_size),
+        "val": synthetic_tokens(k_val, tokens_shape, config.vocab_size),
+    }
+
+
+def sequence_weights(eta: Any, tokens: jax.Array, config: TransformerConfig) -> jax.Array:
+    """The loss-weighting task's alpha(eta, x) in (0, 2): one weight per sequence.
+
+    The meta-transformer ``eta`` reads the sequence; the mean of its first output logit
+    over positions, squashed by ``2 sigmoid``, is the weight (1 when that logit is 0).
+    """
+    score = jnp.mean(apply(eta, tokens[:, :-1], config)[..., 0], axis=-1)
+    return 2.0 * jax.nn.sigmoid(score)
 
 
 def make_task(
@@ -68,12 +95,8 @@ def make_task(
     """
     if task not in TASKS:
         raise ValueError(f"make_task: task must be one of {TASKS}, got {task!r}.")
-    k_init, k_meta, k_train, k_val = jax.random.split(jax.random.PRNGKey(seed), 4)
-    tokens_shape = (batch_size, config.seq_len + 1)
-    data: dict[str, Any] = {
-        "train": synthetic_tokens(k_train, (num_steps, *tokens_shape), config.vocab_size),
-        "val": synthetic_tokens(k_val, tokens_shape, config.vocab_size),
-    }
+    k_init, k_meta, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)
+    data = task_batches(k_data, config, num_steps=num_steps, batch_size=batch_size)
     theta0 = init_params(k_init, config)
 
     def plain_loss(theta, _eta, tokens):
@@ -112,10 +135,8 @@ def make_task(
     opt = optax.adam(INNER_LEARNING_RATE, eps_root=EPS_ROOT)
 
     def weighted_loss(theta, eta, tokens):
-        # alpha(eta, x) in (0, 2), one weight per sequence, from the meta-transformer.
-        score = jnp.mean(apply(eta, tokens[:, :-1], config)[..., 0], axis=-1)
-        alpha = 2.0 * jax.nn.sigmoid(score)
-        return jnp.mean(alpha * token_losses(theta, tokens, config))
+        weights = sequence_weights(eta, tokens, config)
+        return jnp.mean(weights * token_losses(theta, tokens, config))
 
     def meta_loss(eta, data):
         theta = inner_loop(weighted_loss, opt, data["init"], eta, data["train"], **inner_options)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,22 +62,31 @@ def _with_ratios(rows: list[dict], key: Sequence[str]) -> list[dict]:
 # ---------------------------------------------------------------------------- part 1
 def toy_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
     """Seed 004's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
-    from ._toy import IMPLEMENTATIONS, make_toy_task
+    from .toy import make_toy_task
+
+    rows = []
+    for variant, m, impl in toy_grid(quick):
+        fn, args = make_toy_task(num_maps=m, variant=variant, implementation=impl)
+        row = {"variant": variant, "M": m, "impl": impl, **measure(fn, args, repeats)}
+        rows.append(row)
+        log(_fmt_row(row, ("variant", "M", "impl")))
+    return _with_ratios(rows, ("variant", "M"))
+
+
+def toy_grid(quick: bool = False) -> list[tuple[str, int, str]]:
+    """The ``(variant, M, implementation)`` triples `toy_rows` measures, in order."""
+    from .toy import IMPLEMENTATIONS
 
     maps = (1, 4, 16) if quick else (1, 4, 16, 64)
-    rows = []
-    for variant in ("scan", "unrolled"):
-        for m in maps:
-            if variant == "unrolled" and m == 64:
-                # The unrolled default with M=64 takes many minutes and ~10 GB to compile
-                # on CPU; the scan variant carries the M=64 comparison.
-                continue
-            for impl in IMPLEMENTATIONS:
-                fn, args = make_toy_task(num_maps=m, variant=variant, implementation=impl)
-                row = {"variant": variant, "M": m, "impl": impl, **measure(fn, args, repeats)}
-                rows.append(row)
-                log(_fmt_row(row, ("variant", "M", "impl")))
-    return _with_ratios(rows, ("variant", "M"))
+    # The unrolled default with M=64 takes many minutes and ~10 GB to compile on CPU;
+    # the scan variant carries the M=64 comparison.
+    return [
+        (variant, m, impl)
+        for variant in ("scan", "unrolled")
+        for m in maps
+        if not (variant == "unrolled" and m == 64)
+        for impl in IMPLEMENTATIONS
+    ]
 
 
 # ---------------------------------------------------------------------------- part 2
@@ -110,15 +120,15 @@ def task_settings(quick: bool = False) -> list[TaskSetting]:
 
 
 def _tasks():
-    from ._tasks import TASKS
+    from .tasks import TASKS
 
     return TASKS
 
 
 def task_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
     """The three tasks on the transformer: default vs memento, across sizes."""
-    from ._tasks import IMPLEMENTATIONS, make_task
-    from ._transformer import TransformerConfig
+    from ..meta._transformer import TransformerConfig
+    from .tasks import IMPLEMENTATIONS, make_task
 
     rows = []
     for s in task_settings(quick):
@@ -153,8 +163,8 @@ def memory_rows(quick: bool = False, repeats: int = 3, slots: int = 8, log=print
     state is exactly one parameter-sized copy and ``memory=slots`` means `slots`
     parameter copies.
     """
-    from ._bilevel import inner_loop
-    from ._toy import toy_apply
+    from ..meta import inner_loop
+    from .toy import toy_apply
 
     # Parameters (D x D) dominate activations (B x D), as in large models.
     dim, batch, num_maps = (128, 8, 4) if quick else (512, 16, 4)
@@ -226,7 +236,19 @@ def main(args) -> int:
         args: Has ``.quick`` (bool: smaller sweep) and ``.json`` (a path or None).
     """
     quick = bool(getattr(args, "quick", False))
-    rows = toy_rows(quick=quick, log=lambda _: None)
+    done, total = [], len(toy_grid(quick))
+
+    def progress(line: str) -> None:  # on stderr: stdout is the table
+        done.append(line)
+        print(f"memento bench metagrad: [{len(done)}/{total}] {line}", file=sys.stderr, flush=True)
+
+    print(
+        f"memento bench metagrad: the toy task's meta-gradient, {total} compilations, each "
+        "timed over 5 runs ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = toy_rows(quick=quick, log=progress)
     print(markdown(rows, ("variant", "M", "impl")))
     if getattr(args, "json", None):
         write_json(args.json, {"toy": rows})

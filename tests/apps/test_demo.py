@@ -1,12 +1,14 @@
 """Smoke test of ``memento demo`` at tiny sizes."""
 
+import re
+import sys
 import types
 
 import pytest
 
 pytest.importorskip("jax")
 
-from memento.loops import _demo
+from memento.apps import demo as _demo
 
 
 def test_demo_prints_table_and_saves_schedule(tmp_path, capsys):
@@ -16,6 +18,9 @@ def test_demo_prints_table_and_saves_schedule(tmp_path, capsys):
     for method in ("lax.scan (stores every step)", "jax.checkpoint", "memento.scan, memory=1"):
         assert method in out
     assert "less memory than lax.scan" in out
+    # The policy auto chose is named, and tiny timings are not rounded to 0 ms.
+    assert re.search(r"'auto', chose (HSM|ISM|MSM) at 5%, (HSM|ISM|MSM) at 25%", out)
+    assert not re.search(r"\b0 (ms|us)\b", out)
     # Every method's gradient agrees with lax.scan's (float32 round-off only).
     errors = [
         float(line.split()[-1])
@@ -26,6 +31,16 @@ def test_demo_prints_table_and_saves_schedule(tmp_path, capsys):
     assert max(errors) < 1e-4
     pytest.importorskip("matplotlib")
     assert (tmp_path / "demo" / "schedule.png").stat().st_size > 0
+
+
+def test_demo_without_matplotlib_skips_the_picture(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    args = types.SimpleNamespace(steps=8, out=str(tmp_path / "demo"), quick=True)
+    assert _demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert 'no schedule picture: matplotlib is not installed; pip install "memento[plot]"' in out
+    assert "less memory than lax.scan" in out  # the summary still comes after the table
+    assert not (tmp_path / "demo").exists()
 
 
 def test_demo_rejects_too_few_steps(tmp_path):

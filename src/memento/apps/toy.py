@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._bilevel import inner_loop
+from ..meta import inner_loop
 
 LEARNING_RATE = 1e-3
 

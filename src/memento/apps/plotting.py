@@ -10,11 +10,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
-from .planning import Op, Schedule, chen_sqrt
+from ..planning import Op, Schedule, chen_sqrt
 
 __all__ = [
     "Curves",
@@ -75,7 +76,7 @@ def paper_curves(max_steps: int) -> list[Curves]:
         A list of panels (`Curves`): fig2a_hsm, fig5a_ism, fig5b_msm, fig6a_10alpha,
         fig6b_20alpha, fig7a_chen_memory, fig7b_chen_cost.
     """
-    from .planning import cost_table
+    from ..planning import cost_table
 
     T = max_steps
     t = np.arange(1, T + 1)
@@ -140,7 +141,7 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
     is computed only up to the largest budget that is still short somewhere (at T = 1000,
     2500 slots instead of 5000).
     """
-    from .planning import cost_table
+    from ..planning import cost_table
 
     t = np.arange(1, T + 1)
     fits = 1 + (t - 1) * alpha
@@ -157,7 +158,7 @@ def _msm(T: int, memories: list[int], alpha: int) -> dict[int, np.ndarray]:
 
 def _chen_panels(T: int) -> list[Curves]:
     """Figure 7: MSM against Chen's sqrt(t) budget sqrt(t)(1 + beta), alpha = beta + 1."""
-    from .planning import cost_table
+    from ..planning import cost_table
 
     t = np.arange(1, T + 1)
     chen_memory = np.sqrt(t)
@@ -220,16 +221,25 @@ def _write_csv(curves: Curves, path: Path) -> None:
 
 def _draw(ax, curves: Curves, colours) -> None:
     for (label, values), colour in zip(curves.columns.items(), colours, strict=False):
+        if curves.reference is not None and np.allclose(values, curves.reference[1]):
+            label += f" (= {curves.reference[0]} throughout)"
         ax.plot(curves.t, values, color=colour, label=label, linewidth=1.6)
     if curves.reference is not None:
+        # Dashed and on top: a curve that reaches the reference (m=1000 in Figures 5a and
+        # 5b is plain BPTT) shows through the gaps instead of hiding it.
         label, y = curves.reference
-        ax.axhline(y, color="grey", linewidth=1.2, label=label, zorder=1.5)
+        ax.axhline(y, color="black", linewidth=1.2, linestyle=(0, (4, 4)), label=label, zorder=3)
     ax.set_title(curves.title, fontsize=10)
     ax.set_xlabel("sequence length t")
     ax.set_ylabel(curves.ylabel)
     ax.set_xlim(0, curves.t[-1])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_below(ax)
+
+
+def _legend_below(ax) -> None:
+    """The legend under the axes, where it cannot hide a curve."""
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
 
 
 def plot_curves(panels: list[Curves], out_dir: Path, *, chen: Curves | None = None) -> list[Path]:
@@ -252,7 +262,7 @@ def plot_curves(panels: list[Curves], out_dir: Path, *, chen: Curves | None = No
     ]
     written = []
     for stem, names, colours in layout:
-        fig = Figure(figsize=(6.4 * len(names), 4.6), layout="constrained")
+        fig = Figure(figsize=(6.4 * len(names), 5.2), layout="constrained")
         axes = fig.subplots(1, len(names), squeeze=False)[0]
         for ax, name in zip(axes, names, strict=True):
             _draw(ax, by_name[name], colours)
@@ -261,43 +271,140 @@ def plot_curves(panels: list[Curves], out_dir: Path, *, chen: Curves | None = No
                 axes[0].plot(
                     chen.t,
                     chen.columns[f"memory_ratio_beta={beta}"],
-                    "--",
+                    ":",
                     color=colour,
-                    linewidth=1,
+                    linewidth=1.5,
                     label=f"Chen, beta={beta} (replayed)",
                 )
             axes[1].plot(
                 chen.t,
                 chen.columns[f"cost_per_step_beta={CHEN_BETAS[0]}"],
-                "--",
-                color="black",
-                linewidth=1,
+                ":",
+                color="tab:grey",
+                linewidth=1.8,
                 label="Chen (replayed)",
             )
             for ax in axes:
-                ax.legend(fontsize=8)
+                _legend_below(ax)
         path = out_dir / f"{stem}.png"
         fig.savefig(path, dpi=110)
         written.append(path)
     return written
 
 
-def write_curves(max_steps: int, out_dir) -> list[Path]:
+def write_curves(max_steps: int, out_dir, *, log=None) -> list[Path]:
     """Computes the paper's curves for t = 1..max_steps; writes PNGs and CSVs to ``out_dir``.
+
+    Nothing is written, and ``out_dir`` is not created, unless the curves can be computed
+    and matplotlib imported.
+
+    Args:
+        max_steps: the longest sequence length T.
+        out_dir: the folder (created if missing).
+        log: called with a line of progress at each stage, if given.
 
     Returns:
         The paths written: one PNG per figure, one CSV per panel.
     """
+    import matplotlib.figure  # noqa: F401  (fail before computing or writing anything)
+
+    log = log or (lambda _: None)
+    log(f"computing the HSM, ISM and MSM cost tables for t = 1..{max_steps} ...")
+    panels = paper_curves(max_steps)
+    log("replaying Chen's schedules ...")
+    chen = chen_baseline(max_steps)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    panels = paper_curves(max_steps)
-    chen = chen_baseline(max_steps)
+    log(f"drawing into {out_dir} ...")
     written = plot_curves(panels, out_dir, chen=chen)
     for curves in [*panels, chen]:
         path = out_dir / f"{curves.name}.csv"
         _write_csv(curves, path)
         written.append(path)
     return written
+
+
+@dataclasses.dataclass
+class _Drawing:
+    """A schedule as line segments and dots in (position, row) coordinates."""
+
+    forward: list = dataclasses.field(default_factory=list)
+    backward: list = dataclasses.field(default_factory=list)
+    held_h: list = dataclasses.field(default_factory=list)
+    held_i: list = dataclasses.field(default_factory=list)
+    dots_h: list = dataclasses.field(default_factory=list)
+    dots_i: list = dataclasses.field(default_factory=list)
+    rows: int = 1
+
+
+def _segments(schedule: Schedule) -> _Drawing:
+    d = _Drawing()
+    live_h: dict[int, tuple[int, int]] = {}  # slot -> (pos, row saved)
+    live_i: dict[int, tuple[int, int]] = {}
+    row = 0
+    for op, arg, pos in schedule.actions.tolist():
+        if op == Op.ADVANCE:
+            d.forward.append([(pos, row), (pos + arg, row)])
+        elif op == Op.SAVE_HIDDEN:
+            d.dots_h.append((pos, row))
+            live_h[arg] = (pos, row)
+        elif op == Op.SAVE_INTERNAL:
+            d.forward.append([(pos, row), (pos + 1, row)])
+            d.dots_i.append((pos + 0.5, row))
+            live_i[arg] = (pos, row)
+        elif op in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):
+            d.backward.append([(pos + 1, row), (pos, row)])
+            row += 1
+        elif op == Op.FREE_HIDDEN:
+            x, start = live_h.pop(arg)
+            d.held_h.append([(x, start), (x, row)])
+        elif op == Op.FREE_INTERNAL:
+            x, start = live_i.pop(arg)
+            d.held_i.append([(x + 0.5, start), (x + 0.5, row)])
+    d.rows = max(row, 1)
+    # States never released are held until the end; h_0 too when it takes a slot.
+    if schedule.counts_initial:
+        live_h[-1] = (0, 0)
+        d.dots_h.append((0, 0))
+    d.held_h += [[(x, s), (x, d.rows)] for x, s in live_h.values()]
+    d.held_i += [[(x + 0.5, s), (x + 0.5, d.rows)] for x, s in live_i.values()]
+    return d
+
+
+def _draw_schedule(ax, d: _Drawing, *, width: float, size: float) -> None:
+    from matplotlib.collections import LineCollection
+
+    ax.add_collection(LineCollection(d.held_h, colors="tab:green", linewidths=width, alpha=0.35))
+    ax.add_collection(LineCollection(d.held_i, colors="tab:blue", linewidths=width, alpha=0.35))
+    ax.add_collection(LineCollection(d.forward, colors="black", linewidths=width))
+    # Backward steps on top and wider: at thousands of rows they form a visible front.
+    ax.add_collection(
+        LineCollection(d.backward, colors="tab:red", linewidths=max(2.5, 2 * width), zorder=3)
+    )
+    if d.dots_h:
+        ax.plot(*np.array(d.dots_h).T, "o", color="tab:green", markersize=size)
+    if d.dots_i:
+        ax.plot(*np.array(d.dots_i).T, "s", color="tab:blue", markersize=size)
+    ax.set_xlabel("logical time (position in the sequence)")
+    ax.set_ylabel("execution order (backward steps done)")
+
+
+def _zoom_window(d: _Drawing, width: int) -> tuple[float, float, float, float]:
+    """Positions [0, width) over the rows that back-propagate them (and two before).
+
+    Near the start of the sequence, at the end of execution, a dense schedule's fine
+    structure (recomputed runs, stored states, one backward step per row) is readable.
+    """
+    first = min((r for (x0, r), (x1, _) in d.backward if min(x0, x1) < width), default=0)
+    return -0.5, width + 0.5, d.rows + 0.5, max(first - 2, 0) - 0.5
+
+
+_CAPTION = (
+    "Black: forward steps (recomputation included); red: backward steps, one per row "
+    "(a fused one re-runs its step first). Thin vertical lines: how long a stored state "
+    "stays in memory, from its save (dot) to its release: green a hidden state, blue an "
+    "internal state."
+)
 
 
 def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None:
@@ -307,83 +414,51 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
     bottom: each backward step ends a row. Black: forward computations; red: backward
     computations (a fused one re-runs its step first); green dots and lines: hidden
     states stored, from save to release; blue squares and lines: internal states.
+    Schedules longer than 60 steps or rows get a second panel that zooms on the first
+    positions, where the last rows run, so that single steps stay readable.
     """
-    from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
     from matplotlib.ticker import MaxNLocator
 
-    forward, backward, held_h, held_i = [], [], [], []
-    dots_h, dots_i = [], []
-    live_h: dict[int, tuple[int, int]] = {}  # slot -> (pos, row saved)
-    live_i: dict[int, tuple[int, int]] = {}
-    row = 0
-    for op, arg, pos in schedule.actions.tolist():
-        if op == Op.ADVANCE:
-            forward.append([(pos, row), (pos + arg, row)])
-        elif op == Op.SAVE_HIDDEN:
-            dots_h.append((pos, row))
-            live_h[arg] = (pos, row)
-        elif op == Op.SAVE_INTERNAL:
-            forward.append([(pos, row), (pos + 1, row)])
-            dots_i.append((pos + 0.5, row))
-            live_i[arg] = (pos, row)
-        elif op in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):
-            backward.append([(pos + 1, row), (pos, row)])
-            row += 1
-        elif op == Op.FREE_HIDDEN:
-            x, start = live_h.pop(arg)
-            held_h.append([(x, start), (x, row)])
-        elif op == Op.FREE_INTERNAL:
-            x, start = live_i.pop(arg)
-            held_i.append([(x + 0.5, start), (x + 0.5, row)])
-    rows = max(row, 1)
-    # States never released are held until the end; h_0 too when it takes a slot.
-    if schedule.counts_initial:
-        live_h[-1] = (0, 0)
-        dots_h.append((0, 0))
-    held_h += [[(x, s), (x, rows)] for x, s in live_h.values()]
-    held_i += [[(x + 0.5, s), (x + 0.5, rows)] for x, s in live_i.values()]
-
+    d = _segments(schedule)
     t = schedule.num_steps
-    dense = rows > 60 or t > 60
-    fig = Figure(figsize=(11, min(12, 3 + rows * 0.12)), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8 if dense else 2.0
-    ax.add_collection(LineCollection(held_h, colors="tab:green", linewidths=width, alpha=0.35))
-    ax.add_collection(LineCollection(held_i, colors="tab:blue", linewidths=width, alpha=0.35))
-    ax.add_collection(LineCollection(forward, colors="black", linewidths=width))
-    ax.add_collection(LineCollection(backward, colors="tab:red", linewidths=width * 1.5))
-    size = 2 if dense else 6
-    if dots_h:
-        ax.plot(*np.array(dots_h).T, "o", color="tab:green", markersize=size)
-    if dots_i:
-        ax.plot(*np.array(dots_i).T, "s", color="tab:blue", markersize=size)
+    dense = d.rows > 60 or t > 60
+    if dense:
+        fig = Figure(figsize=(14, 8.5), layout="constrained")
+        ax, zoom = fig.subplots(1, 2, width_ratios=[3, 2])
+    else:
+        fig = Figure(figsize=(11, min(12, 3.5 + d.rows * 0.12)), layout="constrained")
+        ax, zoom = fig.subplots(), None
+    _draw_schedule(ax, d, width=0.8 if dense else 2.0, size=2 if dense else 6)
     ax.set_xlim(-0.02 * t - 0.5, t * 1.02 + 0.5)
-    ax.set_ylim(rows + 0.5, -0.5)
+    ax.set_ylim(d.rows + 0.5, -0.5)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("logical time (position in the sequence)")
-    ax.set_ylabel("execution order (backward steps done)")
     if title is None:
         title = (
             f"{schedule.policy}: t={t}, memory={schedule.memory} slots, "
             f"cost={schedule.cost} ({schedule.cost_per_step:.2f} forwards per step)"
         )
     ax.set_title(title, fontsize=10)
-    ax.legend(
-        handles=[
-            Line2D([], [], color="black", label="forward computation"),
-            Line2D(
-                [],
-                [],
-                color="tab:red",
-                label="backward computation\n(fused: re-run, then backward)",
-            ),
-            Line2D([], [], color="tab:green", marker="o", label="hidden state stored"),
-            Line2D([], [], color="tab:blue", marker="s", label="internal state stored"),
-        ],
-        fontsize=8,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-    )
+    if zoom is not None:
+        x0, x1, y0, y1 = _zoom_window(d, min(t, 40))
+        _draw_schedule(zoom, d, width=2.0, size=6)
+        zoom.set_xlim(x0, x1)
+        zoom.set_ylim(y0, y1)
+        zoom.yaxis.set_major_locator(MaxNLocator(integer=True))
+        zoom.set_title(f"zoom: positions 0-{int(x1)}, the last {int(y0 - y1)} rows", fontsize=10)
+        ax.add_patch(
+            Rectangle((x0, y1), x1 - x0, y0 - y1, fill=False, edgecolor="tab:orange", linewidth=2)
+        )
+    handles = [
+        Line2D([], [], color="black", label="forward computation"),
+        Line2D([], [], color="tab:red", linewidth=2.5, label="backward computation"),
+        Line2D([], [], color="tab:green", marker="o", label="hidden state stored"),
+        Line2D([], [], color="tab:blue", marker="s", label="internal state stored"),
+    ]
+    if zoom is not None:
+        handles.append(Line2D([], [], color="tab:orange", linewidth=2, label="zoomed area"))
+    fig.legend(handles=handles, fontsize=9, loc="outside upper center", ncol=len(handles))
+    fig.supxlabel(textwrap.fill(_CAPTION, 150 if dense else 120), fontsize=8)
     fig.savefig(path, dpi=110)

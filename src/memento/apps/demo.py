@@ -12,8 +12,10 @@ The LSTM and the helpers here are reused by ``benchmarks/rnn.py``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..loops import scan
+from ..loops._body import make_body, nbytes
+from ..loops._budget import choose_schedule, internal_slots, parse_memory, to_slots
 from ..planning import Schedule
-from ._body import make_body, nbytes
-from ._budget import choose_schedule, internal_slots, parse_memory, to_slots
-from ._scan import scan
 
 # (steps, hidden, batch). The default takes about a minute on two busy CPU cores.
 DEMO_SIZE = (4096, 32, 16)
@@ -90,20 +92,27 @@ def memory_slots(fraction: float, num_steps: int) -> int:
     return max(1, round(fraction * num_steps))
 
 
-def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
-    """The schedule `memento.scan` runs for ``scan(lambda c, x: step(params, c, x), ...)``.
-
-    Chosen as `memento.scan` chooses it for a gradient in ``params``: alpha (slots per
-    internal state) is measured from the residuals of the step differentiated in the
-    closed-over parameters only.
-    """
+def step_sizes(step: Callable, params, xs, init) -> tuple[int, int]:
+    """``(carry_bytes, alpha)`` of ``lambda c, x: step(params, c, x)``, as `memento.scan`
+    measures them for a gradient in ``params``: alpha is an internal state (the residuals
+    of the step differentiated in the closed-over parameters only, and the output carry)
+    in carry-sized slots."""
     x_example = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
     body = make_body(lambda c, x: step(params, c, x), init, x_example, name="memento demo")
     n_init, n_x = len(body.carry_avals), len(body.x_avals)
     body = body.restrict([True] * len(body.consts), [False] * n_init, [False] * n_x)
     carry_bytes = nbytes(body.carry_avals)
+    return carry_bytes, internal_slots(nbytes(body.residual_spec().stored), carry_bytes)
+
+
+def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
+    """The schedule `memento.scan` runs for ``scan(lambda c, x: step(params, c, x), ...)``.
+
+    Chosen as `memento.scan` chooses it, with ``policy="auto"`` and the measured alpha
+    (`step_sizes`).
+    """
+    carry_bytes, alpha = step_sizes(step, params, xs, init)
     slots = to_slots(parse_memory(memory, name="memento demo"), carry_bytes, name="memento demo")
-    alpha = internal_slots(nbytes(body.residual_spec().stored), carry_bytes)
     return choose_schedule(xs.shape[0], slots, alpha, "auto", name="memento demo")
 
 
@@ -147,7 +156,19 @@ def _size(num_bytes: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
+    """Three significant figures at most, never rounded to zero (``--quick`` runs in us)."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-2:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def _progress(message: str) -> None:
+    """Progress on stderr, so that stdout is the report alone."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def main(args) -> int:
@@ -196,11 +217,12 @@ def main(args) -> int:
         def loop(f, init, xs, slots=slots):
             return scan(f, init, xs, memory=slots)
 
-        label = f"memento.scan, memory={slots} ({fraction:.0%} of T)"
+        label = f"memento.scan, memory={slots} ({fraction:.0%} of T): {schedule.policy.upper()}"
         methods.append((label, scan_loss(loop), schedule.cost))
 
     rows = []
-    for label, loss, evaluations in methods:
+    for n, (label, loss, evaluations) in enumerate(methods, 1):
+        _progress(f"[{n}/{len(methods)}] compiling and timing {label} ...")
         rows.append((label, _measure(loss, data, repeats), evaluations))
     reference = rows[0][1]
 
@@ -223,19 +245,23 @@ def main(args) -> int:
         print("  ".join(cells))
         if n == 0:
             print("  ".join("-" * w for w in widths))
+    _, alpha = step_sizes(lstm_step, *data)
+    chosen = ", ".join(f"{schedules[f].policy.upper()} at {f:.0%}" for f in DEMO_FRACTIONS)
     print(
         "\nmemory: XLA's temporary buffers of the compiled gradient; grad error: max relative "
-        "difference from lax.scan's gradient."
+        "difference from lax.scan's gradient.\n"
+        f"policy: memento.scan's default, 'auto', chose {chosen}; an LSTM step's residuals "
+        f"(its internal state) take alpha={alpha} carry-sized slots, as measured."
     )
 
     small = min(DEMO_FRACTIONS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    picture = out_dir / "schedule.png"
-    try:
-        from .._plotting import plot_schedule
-    except ImportError as e:  # matplotlib is optional
-        print(f"\n(no schedule picture: {e})")
+    if importlib.util.find_spec("matplotlib") is None:  # the [plot] extra is optional
+        print('\n(no schedule picture: matplotlib is not installed; pip install "memento[plot]")')
     else:
+        from .plotting import plot_schedule
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        picture = out_dir / "schedule.png"
         plot_schedule(schedules[small], picture)
         print(f"\nschedule of memento.scan at {small:.0%} memory: {picture}")
 
