@@ -139,7 +139,7 @@ def explicit_sharding(aval):
     then JAX types every op by its sharding, and storage must be created sharded."""
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not any(sharding.spec):
+    if sharding is None or mesh is None or mesh.empty or not any(sharding.spec):
         return None
     return sharding
 
