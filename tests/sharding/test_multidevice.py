@@ -188,3 +188,29 @@ def test_model_parallel_hidden_sharded():
     theirs = loop_collectives(grad.lower(ws, h0s, xss, lax.scan).compile().as_text())
     assert mine["all-gather"] and set(mine["all-gather"]) <= set(theirs["all-gather"])
     assert not mine["all-to-all"] and not mine["collective-permute"]
+
+
+def test_while_loop_under_jit_data_parallel():
+    w, h0, _ = data()
+    m = mesh()
+    h0s = jax.device_put(h0, NamedSharding(m, P("b")))
+
+    def run(w, h0, loop):
+        def body(s):
+            i, h = s
+            return i + 1, jnp.tanh(h @ w)
+
+        return jnp.sum(loop(lambda s: s[0] < 6, body, (0, h0))[1] ** 2)
+
+    def unrolled(cond, body, s):
+        for _ in range(6):
+            s = body(s)
+        return s
+
+    ours = functools.partial(memento.while_loop, memory=3, max_steps=10)
+    grad = jax.jit(jax.grad(run, (0, 1)), static_argnums=2)
+    got = grad(w, h0s, ours)
+    assert_close(got, grad(w, h0s, unrolled))
+    assert got[1].sharding.is_equivalent_to(h0s.sharding, 2)
+    coll = loop_collectives(grad.lower(w, h0s, ours).compile().as_text())
+    assert not coll["all-gather"] and not coll["all-to-all"], coll
