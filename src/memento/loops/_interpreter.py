@@ -94,26 +94,27 @@ class Program:
 
 
 def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
-    """Turns a schedule into a `Program`; the schedule is replayed (checked) first.
+    """Turns a schedule into a `Program`, in vectorised NumPy (O(rows), no Python loop).
+
+    The schedule is not replayed here (a replay is a Python loop over millions of rows at
+    T = 10^6): the planner's schedules are replayed by its tests, and a handmade schedule
+    can be checked with `Schedule.simulate` first. Stack order is checked (`_pool`).
 
     Args:
         schedule: a schedule whose slots are used as a stack (the planner's are).
         internal_units: carry-sized units an internal state takes in the pool.
     """
-    schedule.simulate()
     t = schedule.num_steps
     rows, pool_units = _pool.stack_offsets(schedule, internal_units)
-    is_bw = np.isin(rows[:, 0], (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL))
+    is_bw = (rows[:, 0] == Op.BACKWARD_FUSED) | (rows[:, 0] == Op.BACKWARD_INTERNAL)
     first_bw = int(np.argmax(is_bw))
     sweep, rest = rows[:first_bw], rows[first_bw:]
 
     save_hidden = np.full(t, -1, np.int32)
     save_internal = np.full(t, -1, np.int32)
-    for op, arg, pos in sweep:
-        if op == Op.SAVE_HIDDEN:
-            save_hidden[pos] = arg
-        elif op == Op.SAVE_INTERNAL:
-            save_internal[pos] = arg
+    for op, out in ((Op.SAVE_HIDDEN, save_hidden), (Op.SAVE_INTERNAL, save_internal)):
+        saves = sweep[sweep[:, 0] == op]
+        out[saves[:, 2]] = saves[:, 1]
 
     bw_mask = is_bw[first_bw:]
     bw = rest[bw_mask]

@@ -33,7 +33,7 @@ import numpy as np
 
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
-from ._schedule import Op, Schedule
+from ._schedule import Op, Schedule, count_peak
 
 __all__ = ["cost_table", "plan"]
 
@@ -411,6 +411,7 @@ def plan(
         tables = (kind, split)
         m_plan = m_eff
     rows = _emit(t, m_plan, policy, alpha, beta, tables)
+    counts_initial = policy != "ism"
     return Schedule(
         num_steps=t,
         memory=m,
@@ -419,7 +420,8 @@ def plan(
         actions=rows,
         alpha=alpha,
         beta=beta,
-        counts_initial=policy != "ism",
+        counts_initial=counts_initial,
+        planned_peak=count_peak(rows, alpha, beta, counts_initial),
     )
 
 
