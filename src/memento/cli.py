@@ -24,11 +24,42 @@ import time
 __all__ = ["main"]
 
 
-def _plan(args) -> int:
-    from .planning import compare_to_bptt, plan
+# The replay is a Python loop (about 1 s per million rows): by default only this many rows
+# are replayed; --replay checks any size.
+_REPLAY_ROWS = 1_000_000
+_PROGRESS_AFTER_S = 2.0  # plans estimated to take longer show their progress on stderr
 
-    schedule = plan(args.steps, args.memory, policy=args.policy, alpha=args.alpha, beta=args.beta)
-    replay = schedule.simulate()
+
+def _progress(label: str):
+    """A `plan` progress callback that redraws one line on stderr."""
+
+    shown = [-1]
+
+    def show(fraction: float) -> None:
+        percent = int(100 * fraction)
+        if percent == shown[0]:
+            return
+        shown[0] = percent
+        end = "\n" if fraction >= 1.0 else ""
+        print(f"\r{label}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _plan(args) -> int:
+    from .planning import compare_to_bptt, plan, plan_estimate
+
+    kwargs: dict = dict(policy=args.policy, alpha=args.alpha, beta=args.beta)
+    try:
+        seconds, _ = plan_estimate(args.steps, args.memory, **kwargs)
+    except (ValueError, TypeError):  # plan reports bad values itself, below
+        seconds = 0.0
+    if seconds > _PROGRESS_AFTER_S:
+        kwargs["progress"] = _progress(f"planning (about {seconds:.0f} s)")
+    schedule = plan(args.steps, args.memory, **kwargs)
+    replay = None
+    if args.replay or len(schedule.actions) <= _REPLAY_ROWS:
+        replay = schedule.simulate()
     summary = compare_to_bptt(schedule, backward_cost=args.backward_cost)
     if args.plot:
         from ._plotting import plot_schedule
@@ -42,7 +73,7 @@ def _plan(args) -> int:
             **dataclasses.asdict(summary),
             "budget": schedule.memory,
             "actions": len(schedule.actions),
-            "replay": dataclasses.asdict(replay),
+            "replay": None if replay is None else dataclasses.asdict(replay),
         }
         if args.plot:
             record["plot"] = str(args.plot)
@@ -65,10 +96,16 @@ def _plan(args) -> int:
         f"  predicted time  {summary.time_ratio:.3f}x plain BPTT"
         f" (forward = 1, backward = {b:g}: {summary.cost + t * b:.10g} vs {t * (1 + b):.10g})"
     )
-    print(
-        f"  replay          {len(schedule.actions)} actions checked:"
-        f" {replay.forward_evaluations} forward evaluations, peak {replay.peak_memory} slots"
-    )
+    if replay is None:
+        print(
+            f"  replay          skipped: {len(schedule.actions)} actions (pass --replay to"
+            f" check them, about {len(schedule.actions) / 1e6:.0f} s)"
+        )
+    else:
+        print(
+            f"  replay          {len(schedule.actions)} actions checked:"
+            f" {replay.forward_evaluations} forward evaluations, peak {replay.peak_memory} slots"
+        )
     if args.plot:
         print(f"  plot            {args.plot}")
     return 0
@@ -133,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the schedule (Figure 3 style)")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help=f"replay (check) the schedule even above {_REPLAY_ROWS:,} actions (slow)",
+    )
     p.set_defaults(handler=_plan)
 
     p = sub.add_parser(

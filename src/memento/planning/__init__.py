@@ -20,6 +20,7 @@ from ._closed import hsm_cost as hsm_cost
 from ._closed import ism_cost as ism_cost
 from ._dp import cost_table as cost_table
 from ._dp import plan as plan
+from ._dp import plan_estimate as plan_estimate
 from ._msm import msm_estimate_s as msm_estimate_s
 from ._schedule import (
     Op as Op,

@@ -104,7 +104,8 @@ class Schedule:
         memory: the budget in slots, the paper's m.
         policy: ``"hsm"``, ``"ism"``, ``"msm"``, ``"chain"`` or a baseline's name.
         cost: forward evaluations of the plan (first sweep included), the paper's C(t, m).
-        actions: ``(n, 3)`` int64 array of rows ``(op, arg, pos)``.
+        actions: ``(n, 3)`` integer array of rows ``(op, arg, pos)``: int32 as the planner
+            emits them (half the memory at millions of rows), else int64.
         alpha: slots taken by an internal state.
         beta: slots taken by an internal state whose input state is already held.
         counts_initial: whether ``h_0`` takes a slot of ``memory``.
@@ -128,7 +129,9 @@ class Schedule:
     planned_peak: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        actions = np.asarray(self.actions, dtype=np.int64).reshape(-1, 3)
+        actions = np.asarray(self.actions)
+        dtype = np.int32 if actions.dtype == np.int32 else np.int64
+        actions = np.asarray(actions, dtype=dtype).reshape(-1, 3)
         actions.setflags(write=False)
         object.__setattr__(self, "actions", actions)
 
@@ -452,7 +455,7 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ScheduleError: a release out of stack order, or a slot used before it was saved.
     """
-    actions = np.asarray(actions, dtype=np.int64).reshape(-1, 3)
+    actions = np.asarray(actions).reshape(-1, 3)
     nh, ni, bad = _depths(actions)
     if bad >= 0:
         raise ScheduleError(
