@@ -138,14 +138,9 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
 
 def _msm_check(fn: str, what: str, t: int, m: int, alpha: int, beta: int, hint: str) -> None:
     """Refuses exact MSM tables estimated to take more than two minutes or 4 GiB."""
-    est = msm_estimate_s(t, m, alpha, beta)
+    seconds = msm_estimate_s(t, m, alpha, beta)
     nbytes = 13 * (t + 1) * (m + 1 + alpha)
-    if est > _MSM_BUDGET_S or nbytes > _MSM_BUDGET_BYTES:
-        raise ValueError(
-            f"{fn}: the exact MSM table for {what} would take about {est / 60:.0f} min and "
-            f"{nbytes / 2**30:.1f} GiB (O(t m); the limits are {_MSM_BUDGET_S / 60:.0f} min "
-            f"and {_MSM_BUDGET_BYTES / 2**30:.0f} GiB); {hint}"
-        )
+    _refuse_if_too_large(fn, f"the exact MSM table for {what} (O(t m))", seconds, nbytes, hint)
 
 
 def plan_estimate(
@@ -184,8 +179,9 @@ def _estimate(t: int, m: int, policy: str, alpha: int, beta: int) -> tuple[float
 
 def _refuse_if_too_large(fn: str, what: str, seconds: float, nbytes: int, hint: str) -> None:
     if seconds > _MSM_BUDGET_S or nbytes > _MSM_BUDGET_BYTES:
+        took = f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
         raise ValueError(
-            f"{fn}: {what} would take about {seconds / 60:.1f} min and "
+            f"{fn}: {what} would take about {took} and "
             f"{nbytes / 2**30:.1f} GiB (the limits are {_MSM_BUDGET_S / 60:.0f} min and "
             f"{_MSM_BUDGET_BYTES / 2**30:.0f} GiB); {hint}"
         )
@@ -357,6 +353,18 @@ def _emit(
     return _assemble(np.array(out, dtype=np.int32).reshape(-1, 3), leaves)
 
 
+def _peak(rows: np.ndarray, policy: str, alpha: int, beta: int, counts_initial: bool) -> int:
+    """The plan's peak memory. HSM and ISM plans number their slots by stack depth
+    (`_emit`), so the peak is the deepest save's; MSM plans are counted (`count_peak`).
+    The planner's tests check both against the replay."""
+    if policy == "msm":
+        return count_peak(rows, alpha, beta, counts_initial)
+    op = _SAVE_H if policy == "hsm" else _SAVE_I
+    size = 1 if policy == "hsm" else alpha
+    deepest = int(rows[rows[:, 0] == op, 1].max(initial=-1))
+    return int(counts_initial) + size * (deepest + 1)
+
+
 def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
     """Interleaves the split nodes' rows with the leaves' blocks, in depth-first order.
 
@@ -369,26 +377,27 @@ def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
     for i, leaf in enumerate(leaves):
         groups.setdefault(leaf[:2], []).append(i)
     _, _, before, bs, slots, bops, bargs = (np.asarray(a) for a in zip(*leaves, strict=True))
-    blocks: list[np.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
-    for (kind, t), idx in groups.items():
-        tmpl, slot, base = _leaf_template(kind, t)
+    templates = {key: _leaf_template(*key) for key in groups}
+    lengths = np.zeros(len(leaves), np.int64)
+    for key, idx in groups.items():
+        lengths[idx] = len(templates[key][0])
+    # Where everything goes: leaf i starts after its ``before`` small rows and the leaves
+    # before it; small row r after r small rows and the leaves placed before it.
+    done = np.concatenate([[0], np.cumsum(lengths)])
+    starts = before + done[:-1]
+    out = np.empty((len(small) + int(done[-1]), 3), small.dtype)
+    r = np.arange(len(small))
+    out[r + done[np.searchsorted(before, r, side="right")]] = small
+    for key, idx in groups.items():
+        tmpl, slot, base = templates[key]
         idx = np.asarray(idx)
         block = np.broadcast_to(tmpl, (len(idx), *tmpl.shape)).copy()
         block[:, :, 2] += bs[idx, None]
         block[:, slot, 1] += slots[idx, None]
         block[:, base, 0] = bops[idx, None]
         block[:, base, 1] = bargs[idx, None]
-        for i, rows in zip(idx.tolist(), block, strict=True):
-            blocks[i] = rows
-    pieces = []
-    prev = 0
-    for k, rows in zip(before.tolist(), blocks, strict=True):
-        if k > prev:
-            pieces.append(small[prev:k])
-            prev = k
-        pieces.append(rows)
-    pieces.append(small[prev:])
-    return np.concatenate(pieces)
+        out[starts[idx, None] + np.arange(len(tmpl))] = block
+    return out
 
 
 # --------------------------------------------------------------------------- public API
@@ -508,7 +517,7 @@ def plan(
         alpha=alpha,
         beta=beta,
         counts_initial=counts_initial,
-        planned_peak=count_peak(rows, alpha, beta, counts_initial),
+        planned_peak=_peak(rows, policy, alpha, beta, counts_initial),
     )
 
 
