@@ -53,19 +53,21 @@ def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, 
         ValueError: if the schedule does not release its slots in stack order.
     """
     actions = schedule.actions
-    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
     if schedule.planned_peak is not None and schedule.policy in ("hsm", "ism"):
         # The planner's HSM and ISM schedules hold one kind of state and number each slot
         # by its depth in the stack (`memento.planning._dp._emit`; the planner's tests
         # replay them and tests/loops/test_pool.py checks this shortcut against the
         # general count): the offset is the slot number times the state's size.
-        rows = actions[keep]
+        op = np.ascontiguousarray(actions[:, 0])
+        keep = (op != Op.FREE_HIDDEN) & (op != Op.FREE_INTERNAL)
+        rows, op = actions[keep], op[keep]
         size = 1 if schedule.policy == "hsm" else internal_units
-        slotted = _SLOTTED[rows[:, 0]] | ((rows[:, 0] == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
         if size != 1:
+            slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
             rows[:, 1] = np.where(slotted, rows[:, 1] * size, rows[:, 1])
-        saves = rows[_IS_SAVE[rows[:, 0]], 1]
+        saves = rows[_IS_SAVE[op], 1]
         return rows, int(saves.max(initial=-size)) + size
+    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
     nh, ni, bad = _depths(actions)
     if bad >= 0:
         op, arg, _ = (int(v) for v in actions[bad])
