@@ -130,9 +130,9 @@ def while_loop(
         of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). The backward finds
         a free slot in O(1) (a free list), so the time per evaluation does not grow with
         the budget: on a 32-wide RK4 body (1000 steps, 2 shared CPU cores) 4/16/64/128
-        slots take 13.8/8.0/6.8/6.6 ms. On a 2-float body a fixed ~1.4 us per step appears from 66
-        slots on (3.2 ms at 65, 4.7 ms at 66, flat to 128) with identical HLO: an XLA:CPU
-        runtime effect not traced further.
+        slots take 13.8/8.0/6.8/6.6 ms. On a 2-float body a fixed ~1.4 us per step
+        appears from 66 slots on (3.2 ms at 65, 4.7 ms at 66, flat to 128) with the same
+        HLO: an XLA:CPU runtime effect not traced further.
 
     Example:
         >>> def solve(x):  # doctest: +SKIP
