@@ -130,9 +130,10 @@ def while_loop(
         of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). The backward finds
         a free slot in O(1) (a free list), so the time per evaluation does not grow with
         the budget: on a 32-wide RK4 body (1000 steps, 2 shared CPU cores) 4/16/64/128
-        slots take 13.8/8.0/6.8/6.6 ms. On a 2-float body a fixed ~1.4 us per step
-        appears from 66 slots on (3.2 ms at 65, 4.7 ms at 66, flat to 128) with the same
-        HLO: an XLA:CPU runtime effect not traced further.
+        slots take 13.8/8.0/6.8/6.6 ms. On tiny bodies a fixed ~1.4 us per step appears
+        once the slot buffers exceed 512 bytes (4-float carry: 2.1 ms at 33 slots, 3.6 ms
+        at 34, flat to 66; 2-float carry: 3.2 ms at 65, 4.7 ms at 66) with the same HLO:
+        an XLA:CPU runtime effect, a step rather than a growth with the slots.
 
     Example:
         >>> def solve(x):  # doctest: +SKIP
