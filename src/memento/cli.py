@@ -27,6 +27,28 @@ import time
 __all__ = ["main"]
 
 
+# The replay is a Python loop (about 1 s per million rows): by default only this many rows
+# are replayed; --replay checks any size.
+_REPLAY_ROWS = 1_000_000
+_PROGRESS_AFTER_S = 2.0  # plans estimated to take longer show their progress on stderr
+
+
+def _progress_bar(label: str):
+    """A `plan` progress callback that redraws one line on stderr."""
+
+    shown = [-1]
+
+    def show(fraction: float) -> None:
+        percent = int(100 * fraction)
+        if percent == shown[0]:
+            return
+        shown[0] = percent
+        end = "\n" if fraction >= 1.0 else ""
+        print(f"\r{label}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -79,16 +101,17 @@ def _slots(args) -> int:
 
 
 def _schedule(args, slots: int):
-    from .planning import msm_estimate_s, plan
+    from .planning import plan, plan_estimate
 
     if args.policy != "auto":
-        if args.policy == "msm":
-            seconds = msm_estimate_s(
-                args.steps, slots, args.alpha or 1, args.beta or args.alpha or 1
-            )
-            if seconds > 2:
-                _progress(f"memento plan: planning MSM, about {seconds:.0f} s ...")
-        return plan(args.steps, slots, policy=args.policy, alpha=args.alpha, beta=args.beta)
+        kwargs: dict = dict(policy=args.policy, alpha=args.alpha, beta=args.beta)
+        try:
+            seconds, _ = plan_estimate(args.steps, slots, **kwargs)
+        except (ValueError, TypeError):  # plan reports bad values itself
+            seconds = 0.0
+        if seconds > _PROGRESS_AFTER_S:
+            kwargs["progress"] = _progress_bar(f"planning (about {seconds:.0f} s)")
+        return plan(args.steps, slots, **kwargs)
     if args.beta is not None:
         raise ValueError(
             "--beta needs --policy msm; 'auto' plans MSM with beta = alpha, as memento.scan."
@@ -120,9 +143,11 @@ def _plan(args) -> int:
     if args.steps > 20_000:
         _progress(f"memento plan: planning {args.steps} steps ...")
     schedule = _schedule(args, _slots(args))
-    if len(schedule.actions) > 200_000:
-        _progress(f"memento plan: replaying {len(schedule.actions)} actions ...")
-    replay = schedule.simulate()
+    replay = None
+    if args.replay or len(schedule.actions) <= _REPLAY_ROWS:
+        if len(schedule.actions) > 200_000:
+            _progress(f"memento plan: replaying {len(schedule.actions)} actions ...")
+        replay = schedule.simulate()
     summary = compare_to_bptt(schedule, backward_cost=args.backward_cost)
     if args.plot:
         from .apps.plotting import plot_schedule
@@ -138,7 +163,7 @@ def _plan(args) -> int:
             **dataclasses.asdict(summary),
             "budget": schedule.memory,
             "actions": len(schedule.actions),
-            "replay": dataclasses.asdict(replay),
+            "replay": None if replay is None else dataclasses.asdict(replay),
         }
         if args.plot:
             record["plot"] = str(args.plot)
@@ -174,11 +199,17 @@ def _plan(args) -> int:
         f"  predicted time  {summary.time_ratio:.3f}x plain BPTT"
         f" (forward = 1, backward = {b:g}: {summary.cost + t * b:.10g} vs {t * (1 + b):.10g})"
     )
-    print(
-        f"  replay          {_plural(len(schedule.actions), 'action')} checked:"
-        f" {_plural(replay.forward_evaluations, 'forward evaluation')},"
-        f" peak {_plural(replay.peak_memory, 'slot')}"
-    )
+    if replay is None:
+        print(
+            f"  replay          skipped: {_plural(len(schedule.actions), 'action')} (pass"
+            f" --replay to check them, about {len(schedule.actions) / 1e6:.0f} s)"
+        )
+    else:
+        print(
+            f"  replay          {_plural(len(schedule.actions), 'action')} checked:"
+            f" {_plural(replay.forward_evaluations, 'forward evaluation')},"
+            f" peak {_plural(replay.peak_memory, 'slot')}"
+        )
     if args.plot:
         print(f"  plot            {args.plot}")
     return 0
@@ -262,6 +293,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the schedule (Figure 3 style)")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help=f"replay (check) the schedule even above {_REPLAY_ROWS:,} actions (slow)",
+    )
     p.set_defaults(handler=_plan)
 
     p = sub.add_parser(

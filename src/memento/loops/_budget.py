@@ -124,12 +124,22 @@ def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name
         return _plan(num_steps, slots, "ism", alpha)
     if policy == "msm":
         return _plan(num_steps, slots, "msm", alpha)
-    candidates = [_plan(num_steps, slots, "hsm", None)]
-    if slots >= alpha:
-        candidates.append(_plan(num_steps, slots, "ism", alpha))
+    # HSM and ISM are priced from their closed forms before any row is emitted (ISM
+    # stores every step's internal state once: t saves), so only the winner is unrolled.
+    # MSM, when cheap enough to plan, is planned and priced from its rows.
+    hsm_work = float(planning.hsm_cost(num_steps, slots))
+    ism_work = (
+        planning.ism_cost(num_steps, slots // alpha) + INTERNAL_STATE_CHARGE * num_steps
+        if slots >= alpha
+        else math.inf
+    )
+    best = _plan(num_steps, slots, "hsm", None) if hsm_work <= ism_work else None
+    if best is None:
+        best = _plan(num_steps, slots, "ism", alpha)
     if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
-        candidates.append(_plan(num_steps, slots, "msm", alpha))
-    return min(candidates, key=lambda s: (predicted_work(s), s.peak_memory))
+        msm = _plan(num_steps, slots, "msm", alpha)
+        best = min([best, msm], key=lambda s: (predicted_work(s), s.peak_memory))
+    return best
 
 
 # What "auto" charges for storing one internal state, in forward evaluations. Measured

@@ -44,22 +44,27 @@ import numpy as np
 from jax import lax
 
 from ..planning import Op, Schedule
+from ..planning._schedule import _IS_SAVE, _depths, _lut
 
 try:  # restores a weak type on read; no public equivalent
     from jax._src.lax.lax import _convert_element_type
 except ImportError:  # pragma: no cover - older or newer JAX
     _convert_element_type = None
 
-_SAVES = {Op.SAVE_HIDDEN: "h", Op.SAVE_INTERNAL: "i"}
-_FREES = {Op.FREE_HIDDEN: "h", Op.FREE_INTERNAL: "i"}
-_USES = {Op.LOAD_HIDDEN: "h", Op.LOAD_INTERNAL: "i", Op.BACKWARD_INTERNAL: "i"}
+_SLOTTED = _lut(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL)
 
 
 def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, int]:
     """Rewrites a schedule's slot numbers as offsets into one stack-allocated pool.
 
+    Vectorised (`memento.planning.stack_depths`): a state's offset is the units of the
+    states below it in the stack, ``n_hidden_below + internal_units * n_internal_below``.
     A hidden state takes 1 unit and an internal state ``internal_units``; with
     ``internal_units = base > memory`` an offset encodes ``(nh, ni)`` as ``nh + base * ni``.
+
+    Args:
+        schedule: a schedule whose slots are released in the reverse order of their saves.
+        internal_units: units an internal state takes (a hidden state takes 1).
 
     Returns:
         ``(rows, units)``: the executable rows (no FREE rows) with the ``arg`` of every
@@ -69,33 +74,44 @@ def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, 
     Raises:
         ValueError: if the schedule does not release its slots in stack order.
     """
-    rows = schedule.actions.copy()
-    keep = np.ones(len(rows), dtype=bool)
-    stack: list[tuple[str, int, int]] = []  # (kind, slot, offset)
-    live: dict[tuple[str, int], int] = {}
-    top = units = 0
-    for i, (op, arg, _) in enumerate(rows.tolist()):
-        if op in _SAVES:
-            kind = _SAVES[op]
-            size = 1 if kind == "h" else internal_units
-            stack.append((kind, arg, top))
-            live[kind, arg] = top
-            rows[i, 1] = top
-            top += size
-            units = max(units, top)
-        elif op in _FREES:
-            keep[i] = False
-            kind = _FREES[op]
-            if not stack or stack[-1][:2] != (kind, arg):
-                raise ValueError(
-                    f"memento: row {i} releases {kind}-slot {arg} out of stack order; a "
-                    "single pool needs stack-ordered slots (the planner's schedules are)."
-                )
-            top = stack.pop()[2]
-            del live[kind, arg]
-        elif op in _USES and arg >= 0:
-            rows[i, 1] = live[_USES[op], arg]
-    return rows[keep], units
+    actions = schedule.actions
+    if schedule.planned_peak is not None and schedule.policy in ("hsm", "ism"):
+        # The planner's HSM and ISM schedules hold one kind of state and number each slot
+        # by its depth in the stack (`memento.planning._dp._emit`; the planner's tests
+        # replay them and tests/loops/test_pool.py checks this shortcut against the
+        # general count): the offset is the slot number times the state's size.
+        op = np.ascontiguousarray(actions[:, 0])
+        keep = (op != Op.FREE_HIDDEN) & (op != Op.FREE_INTERNAL)
+        rows, op = actions[keep], op[keep]
+        size = 1 if schedule.policy == "hsm" else internal_units
+        if size != 1:
+            slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
+            rows[:, 1] = np.where(slotted, rows[:, 1] * size, rows[:, 1])
+        saves = rows[_IS_SAVE[op], 1]
+        return rows, int(saves.max(initial=-size)) + size
+    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
+    nh, ni, bad = _depths(actions)
+    if bad >= 0:
+        op, arg, _ = (int(v) for v in actions[bad])
+        kind = "h" if op in (Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.FREE_HIDDEN) else "i"
+        raise ValueError(
+            f"memento: row {bad} releases {kind}-slot {arg} out of stack order; a "
+            "single pool needs stack-ordered slots (the planner's schedules are)."
+        )
+    rows = actions[keep]
+    offset = nh[keep] + internal_units * ni[keep]
+    op = rows[:, 0]
+    slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
+    rows[slotted, 1] = offset[slotted]
+    # The pool's size: the highest unit any stored state reaches.
+    top = np.concatenate(
+        [
+            offset[op == Op.SAVE_HIDDEN] + 1,
+            offset[op == Op.SAVE_INTERNAL] + internal_units,
+            [0],
+        ]
+    )
+    return rows, int(top.max())
 
 
 # ----------------------------------------------------------------------------------------

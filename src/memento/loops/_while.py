@@ -22,6 +22,7 @@ whatever ``max_steps``: the plan is data (the event table) or computed on device
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._body import (
     Static,
     call_reverse_mode_only,
     instantiate,
+    is_float,
     make_body,
     merge,
     nbytes,
@@ -48,11 +50,13 @@ from ._budget import Bytes, parse_memory, to_slots
 from ._interpreter import advance_steps, apply_pullback
 
 _NAME = "memento.while_loop"
-# Above this many slots the policy's planning (Python, once per (memory, max_steps) at
-# trace time) takes seconds for an unbounded loop (5 s at 64); budgets above it use 64
-# slots unless they keep every carry. Extra slots gain little: C_hsm(n, m) falls slowly
-# in m once m is far above the repetition number.
-_MAX_POLICY_SLOTS = 64
+# Above this many slots the online policy's planning (Python, once per (memory,
+# max_steps) per process, at trace time) grows as about m^3 for an unbounded loop:
+# measured 0.46 s at 64 slots, 1.8 s at 128, 9.0 s at 256 (2 shared CPU cores). Budgets
+# above it that do not keep every carry use this many slots, with a warning. What the
+# extra slots would save, offline (HSM's C(n, m) / n): at n = 10^5, 3.92 at 128 slots
+# against 3.67 at 256 and 2.99 at 1024; at n = 10^4, 3.15 / 2.97 / 2.90.
+_MAX_POLICY_SLOTS = 128
 _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
 
@@ -63,6 +67,8 @@ def while_loop(
     *,
     max_steps: int | None = None,
     memory: int | str | Bytes | None = None,
+    buffers: Callable[[Any], Any] | None = None,
+    return_truncated: bool = False,
 ) -> Any:
     """``jax.lax.while_loop`` that is reverse-mode differentiable within a memory budget.
 
@@ -87,29 +93,50 @@ def while_loop(
         memory: carry-sized slots (an ``int``, the initial carry included: the paper's m)
             or bytes (``"64MiB"``, ``memento.bytes_budget(n)``). ``None``: enough to keep
             every carry, ``max_steps + 1`` slots (needs ``max_steps``). Under ``vmap``,
-            sizes are those of one batch member.
+            sizes are those of one batch member. Buffers (below) take no slots.
+        buffers: as Equinox's ``while_loop(..., buffers=)``: a function of the carry that
+            returns the arrays (a node or a sequence of nodes of ``init_val``) the body
+            only writes to, ``buf.at[i].set(x)``, like the output array of an ODE solve
+            saved at given times. Inside ``body_fun`` they are write-only stand-ins
+            (reading one is an error; ``cond_fun`` sees the real arrays); each location
+            may be written at most once, in the loop or before it (unchecked, as in
+            Equinox: a second write gives wrong gradients). They are not checkpointed:
+            the carries kept in ``memory`` exclude them, and the backward pass hands each
+            written value its cotangent from the buffer's. Writes must be unconditional
+            in the body, with integer-array indices.
+        return_truncated: if True, return ``(final, truncated)``, where ``truncated`` is
+            a bool scalar (one per member under ``vmap``): True when the loop stopped
+            because it took ``max_steps`` steps while ``cond_fun`` still held, so the
+            result is not the loop's fixed point or end. Always False without
+            ``max_steps``.
 
     Returns:
-        The final carry, as ``lax.while_loop``.
+        The final carry, as ``lax.while_loop``; ``(final, truncated)`` with
+        ``return_truncated=True``.
 
     Raises:
         ValueError: ``max_steps < 0``; ``memory=None`` without ``max_steps``; a budget
             below one carry (the message names the minimum).
         TypeError: a body that changes the carry's structure, shapes or dtypes; a
-            predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``.
+            predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
+            ``buffers`` that are not arrays of the carry, a body that reads a buffer or
+            returns something else in its place.
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops; each member's gradient is its
-    own), nesting; every dtype (keys, ints, bools in the carry; a weakly typed
-    ``init_val`` takes the dtype the body gives it, as in ``lax.while_loop``). Only
-    perturbed leaves are differentiated. Second order by forward over reverse
-    (``jax.hessian``, ``jvp(grad)``) is exact. Forward mode (``jvp``) raises a
-    ``TypeError`` (use ``lax.while_loop``), reverse over reverse a
-    ``NotImplementedError``.
+    own), nesting. Forward mode (``jvp``) is not supported: use ``lax.while_loop``.
 
     Notes:
-        The step counter is int32: at most 2**31 - 2 steps. A budget above 64 slots that
-        does not keep every carry is used as 64 slots.
+        The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
+        does not keep every carry (``max_steps`` is None or at least the budget) is used
+        as 128 slots, with a warning: the online policy's planning time grows as the cube
+        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). The backward finds
+        a free slot in O(1) (a free list), so the time per evaluation does not grow with
+        the budget: on a 32-wide RK4 body (1000 steps, 2 shared CPU cores) 4/16/64/128
+        slots take 13.8/8.0/6.8/6.6 ms. On tiny bodies a fixed ~1.4 us per step appears
+        once the slot buffers exceed 512 bytes (4-float carry: 2.1 ms at 33 slots, 3.6 ms
+        at 34, flat to 66; 2-float carry: 3.2 ms at 65, 4.7 ms at 66) with the same HLO:
+        an XLA:CPU runtime effect, a step rather than a growth with the slots.
 
     Example:
         >>> def solve(x):  # doctest: +SKIP
@@ -125,15 +152,53 @@ def while_loop(
     budget = None if memory is None else parse_memory(memory, name=_NAME)
 
     init_leaves, init_tree = jax.tree_util.tree_flatten(init_val)
+    is_buffer = _buffer_mask(buffers, init_val, init_leaves)
     init_leaves = [jnp.asarray(c) for c in init_leaves]
-    init = jax.tree_util.tree_unflatten(init_tree, init_leaves)
+    carry0 = [c for c, b in zip(init_leaves, is_buffer) if not b]
+    buffers0 = [c for c, b in zip(init_leaves, is_buffer) if b]
+    buffer_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in buffers0]
+    writes: list = []  # per write of one step: (buffer number, number of index leaves)
 
     def as_step(c, _):
-        return body_fun(c), None
+        # The carry without its buffers; the buffers are write-only stand-ins that
+        # record what the body writes, returned as the step's outputs.
+        stand_ins = [_Buffer(j, a) for j, a in enumerate(buffer_avals)]
+        full = _merge_buffers(c, stand_ins, is_buffer)
+        out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(
+            out, is_leaf=lambda x: isinstance(x, _Buffer)
+        )
+        if out_tree != init_tree:
+            raise TypeError(
+                f"{_NAME}: the body's output carry has structure {out_tree}, but the input "
+                f"carry has structure {init_tree}; return a carry of the same structure."
+            )
+        new_c, ys = [], []
+        writes.clear()
+        j = 0
+        for leaf, b in zip(out_leaves, is_buffer):
+            if not b:
+                if isinstance(leaf, _Buffer):
+                    raise TypeError(f"{_NAME}: body_fun moved a buffer to a non-buffer leaf.")
+                new_c.append(leaf)
+                continue
+            if not (isinstance(leaf, _Buffer) and leaf.number == j):
+                raise TypeError(
+                    f"{_NAME}: body_fun must return buffer {j} as written with "
+                    f"buf.at[i].set(x) (got {type(leaf).__name__}); buffers are write-only "
+                    "inside the loop."
+                )
+            for idx, value in leaf.writes:
+                writes.append((j, len(idx)))
+                ys.extend([*idx, value])
+            j += 1
+        return new_c, ys
 
-    body = make_body(as_step, init, None, name=_NAME)
-    init_leaves = body.cast_carry(init_leaves)
-    cond_jaxpr, cond_consts = _trace_cond(cond_fun, body)
+    body = make_body(as_step, carry0, None, name=_NAME)
+    carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
+    write_spec = tuple(writes)
+    full0 = _merge_buffers(carry0, buffers0, is_buffer)
+    cond_jaxpr, cond_consts = _trace_cond(cond_fun, full0, init_tree)
 
     if budget is None:
         assert steps is not None  # memory=None without max_steps was refused above
@@ -143,16 +208,34 @@ def while_loop(
     if steps is not None:
         slots = min(slots, steps + 1)  # more than one slot per carry is never used
     store_all = steps is not None and slots == steps + 1
-    if not store_all:
-        slots = min(slots, _MAX_POLICY_SLOTS)
+    if not store_all and slots > _MAX_POLICY_SLOTS:
+        warnings.warn(
+            f"{_NAME}: a budget of {slots} slots is above the {_MAX_POLICY_SLOTS} slots the "
+            f"online checkpointing policy plans for (its planning time grows as slots^3: "
+            f"1.8 s at 128, 9 s at 256); using {_MAX_POLICY_SLOTS} slots. To keep every "
+            f"carry instead, pass max_steps <= {slots - 1}.",
+            stacklevel=2,
+        )
+        slots = _MAX_POLICY_SLOTS
     cap = steps if steps is not None else _online.DEFAULT_CAP
     events = _online.online_events(slots, max(cap, 1))
 
-    run = _differentiable_run(body, cond_jaxpr, cond_consts, slots, steps, events)
-    carry = call_reverse_mode_only(
-        run, (body.consts, cond_consts, init_leaves), name=_NAME, instead="lax.while_loop"
+    run = _differentiable_run(
+        body, cond_jaxpr, len(cond_consts), slots, steps, events, is_buffer, write_spec
     )
-    return jax.tree_util.tree_unflatten(body.carry_tree, carry)
+    carry, bufs = call_reverse_mode_only(
+        run, (body.consts, cond_consts, carry0, buffers0), name=_NAME, instead="lax.while_loop"
+    )
+    final = _merge_buffers(carry, bufs, is_buffer)
+    out = jax.tree_util.tree_unflatten(init_tree, final)
+    if not return_truncated:
+        return out
+    if steps is None:
+        return out, jnp.bool_(False)
+    # Stopped after max_steps with the predicate still true (a loop that stops on its
+    # predicate ends with it false).
+    still = jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *final)[0]
+    return out, jnp.asarray(still, jnp.bool_)
 
 
 def _check_max_steps(max_steps) -> int | None:
@@ -170,11 +253,11 @@ def _check_max_steps(max_steps) -> int | None:
     return int(max_steps)
 
 
-def _trace_cond(cond_fun, body: Body):
+def _trace_cond(cond_fun, leaves, tree):
     def flat(c):
-        return cond_fun(jax.tree_util.tree_unflatten(body.carry_tree, c))
+        return cond_fun(jax.tree_util.tree_unflatten(tree, c))
 
-    closed = jax.make_jaxpr(flat)(list(body.carry_avals))
+    closed = jax.make_jaxpr(flat)([jax.typeof(a) for a in leaves])  # exact: weak, vma
     (out,) = closed.out_avals if len(closed.out_avals) == 1 else (None,)
     if out is None or out.shape != () or out.dtype != jnp.bool_:
         raise TypeError(
@@ -182,6 +265,92 @@ def _trace_cond(cond_fun, body: Body):
             f"{[f'{a.dtype}{list(a.shape)}' for a in closed.out_avals]}."
         )
     return closed.jaxpr, list(closed.consts)
+
+
+# ----------------------------------------------------------------------------------------
+# Buffers (Equinox's ``buffers=``): write-only arrays of the carry, kept out of the slots
+
+
+def _buffer_mask(buffers, init_val, leaves) -> list[bool]:
+    """Which leaves of ``init_val`` are buffers: the leaves of ``buffers(init_val)``."""
+    if buffers is None:
+        return [False] * len(leaves)
+    if not callable(buffers):
+        raise TypeError(
+            f"{_NAME}: buffers must be a function of the carry returning its buffer arrays "
+            f"(e.g. buffers=lambda c: c[1]), got {buffers!r}."
+        )
+    chosen = jax.tree_util.tree_leaves(buffers(init_val))
+    mask = [any(leaf is b for b in chosen) for leaf in leaves]
+    if not chosen or sum(mask) != len(chosen) or not all(hasattr(b, "shape") for b in chosen):
+        raise TypeError(
+            f"{_NAME}: buffers(init_val) must return arrays that are leaves of init_val "
+            f"(got {len(chosen)} leaves, {sum(mask)} of them found in init_val); pass "
+            "e.g. buffers=lambda c: c[1] where c[1] is an array of the carry."
+        )
+    return mask
+
+
+def _merge_buffers(carry, bufs, is_buffer) -> list:
+    it_c, it_b = iter(carry), iter(bufs)
+    return [next(it_b) if b else next(it_c) for b in is_buffer]
+
+
+class _Buffer:
+    """A buffer inside ``body_fun``: supports ``buf.at[i].set(x)`` only, recording writes."""
+
+    def __init__(self, number: int, aval, writes: tuple = ()):
+        self.number, self.aval, self.writes = number, aval, writes
+        self.shape, self.dtype, self.ndim = aval.shape, aval.dtype, len(aval.shape)
+
+    @property
+    def at(self):
+        return _BufferAt(self)
+
+    def __getitem__(self, index):
+        raise TypeError(
+            f"{_NAME}: buffers are write-only inside body_fun (as in Equinox's "
+            "checkpointed while loop): write with buf.at[i].set(x); read them after the loop."
+        )
+
+    def __jax_array__(self):
+        self[()]
+
+
+class _BufferAt:
+    def __init__(self, buffer: _Buffer):
+        self.buffer = buffer
+
+    def __getitem__(self, index):
+        return _BufferWrite(self.buffer, index)
+
+
+class _BufferWrite:
+    def __init__(self, buffer: _Buffer, index):
+        self.buffer, self.index = buffer, index
+
+    def set(self, value) -> _Buffer:
+        b = self.buffer
+        index = self.index if isinstance(self.index, tuple) else (self.index,)
+        index = tuple(jnp.asarray(i) for i in index)
+        if not all(jnp.issubdtype(i.dtype, jnp.integer) for i in index):
+            raise TypeError(
+                f"{_NAME}: a buffer is written at integer (array) indices, got {self.index!r}."
+            )
+        shape = jax.eval_shape(lambda *i: jnp.zeros(b.shape, b.dtype)[i], *index).shape
+        value = jnp.broadcast_to(jnp.asarray(value, b.dtype), shape)
+        return _Buffer(b.number, b.aval, (*b.writes, (index, value)))
+
+
+def _apply_writes(bufs, ys, write_spec) -> list:
+    """The buffers after one step's writes (``ys``: index leaves then value, per write)."""
+    bufs = list(bufs)
+    k = 0
+    for j, n_idx in write_spec:
+        index, value = tuple(ys[k : k + n_idx]), ys[k + n_idx]
+        bufs[j] = bufs[j].at[index].set(value)
+        k += n_idx + 1
+    return bufs
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,9 +405,17 @@ def hsm_split_device(t, m):
 
 
 def _differentiable_run(
-    body: Body, cond_jaxpr, cond_consts_avals, slots: int, steps: int | None, events
+    body: Body,
+    cond_jaxpr,
+    num_cond_consts: int,
+    slots: int,
+    steps: int | None,
+    events,
+    is_buffer,
+    write_spec,
 ):
-    """The loop as a ``custom_vjp`` function of (consts, cond_consts, init), flat leaves."""
+    """The loop as a ``custom_vjp`` function of (consts, cond_consts, init, buffers), flat
+    leaves; it returns ``(carry, buffers)``."""
     num_slots = slots - 1  # physical slots; h_0 is the caller's
     store_pos, store_slot = events.store_rows
     # A sentinel row past every position keeps the pointer in bounds without a test.
@@ -249,57 +426,73 @@ def _differentiable_run(
     row_slot = events.slot.astype(np.int32)
     row_store = events.store
 
-    def cond(cond_consts, c):
-        return jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *c)[0]
+    def cond(cond_consts, c, bufs):
+        full = _merge_buffers(c, bufs, is_buffer)
+        return jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *full)[0]
 
-    def running(cond_consts, p, c):
-        ok = cond(cond_consts, c)
+    def running(cond_consts, p, c, bufs):
+        ok = cond(cond_consts, c, bufs)
         return ok if steps is None else jnp.logical_and(p < steps, ok)
 
+    def step(consts, c, bufs):
+        c, ys = body(consts, c, [])
+        return c, _apply_writes(bufs, ys, write_spec)
+
     @jax.custom_vjp
-    def run(consts, cond_consts, init):
+    def run(consts, cond_consts, init, bufs):
         def body_fn(state):
-            p, c = state
-            return p + 1, body(consts, c, [])[0]
+            p, c, bufs = state
+            return p + 1, *step(consts, c, bufs)
 
-        _, c = lax.while_loop(
-            lambda s: running(cond_consts, *s), body_fn, (jnp.int32(0), list(init))
+        _, c, bufs = lax.while_loop(
+            lambda s: running(cond_consts, *s), body_fn, (jnp.int32(0), list(init), list(bufs))
         )
-        return c
+        return c, bufs
 
-    def fwd(consts, cond_consts, init):
+    def fwd(consts, cond_consts, init, bufs):
         # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
         b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [])
-        consts, cond_consts, init = ([a.value for a in x] for x in (consts, cond_consts, init))
+        consts, cond_consts, init, bufs = (
+            [a.value for a in x] for x in (consts, cond_consts, init, bufs)
+        )
         hidden = [_pool.stack_of(a, num_slots) for a in body.carry_avals]
         sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
 
         def body_fn(state):
-            p, ptr, c, hidden = state
+            p, ptr, c, hidden, bufs = state
             keep = sp[ptr] == p
             if num_slots:
                 hidden = _write(hidden, ss[ptr], c, body.carry_avals, keep)
-            c = body(consts, c, [])[0]
-            return p + 1, ptr + keep.astype(jnp.int32), c, hidden
+            c, bufs = step(consts, c, bufs)
+            return p + 1, ptr + keep.astype(jnp.int32), c, hidden, bufs
 
-        state = (jnp.int32(0), jnp.int32(0), list(init), hidden)
-        n, _, c, hidden = lax.while_loop(lambda s: running(cond_consts, s[0], s[2]), body_fn, state)
-        stack_pos, stack_slot, depth = _stack(n, num_slots, row_pos, row_slot, row_store)
-        res = (consts, init, hidden, n, stack_pos, stack_slot, depth)
-        return c, (res, Static(b))
-
-    def bwd(res, ct_final):
-        refuse_reverse_over_reverse((res, ct_final), name=_NAME)
-        (consts, init, hidden, n, stack_pos, stack_slot, depth), b = res[0], res[1].value
-        ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
-        ct_k, ct_init = _backward(
-            b, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c
+        state = (jnp.int32(0), jnp.int32(0), list(init), hidden, list(bufs))
+        n, _, c, hidden, bufs = lax.while_loop(
+            lambda s: running(cond_consts, s[0], s[2], s[4]), body_fn, state
         )
+        stack_pos, stack_slot, depth = _stack(n, num_slots, row_pos, row_slot, row_store)
+        res = (consts, init, hidden, n, stack_pos, stack_slot, depth, bufs)
+        return (c, bufs), (res, Static(b))
+
+    def bwd(res, cts):
+        refuse_reverse_over_reverse((res, cts), name=_NAME)
+        (consts, init, hidden, n, stack_pos, stack_slot, depth, bufs), b = res[0], res[1].value
+        ct_final, ct_bufs = cts
+        ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
+        # Cotangents of float buffers only; a written location passes its cotangent to the
+        # value written there and none to what it held before.
+        buf_float = [is_float(x) for x in bufs]
+        ct_b = instantiate(ct_bufs, [jax.typeof(x) for x in bufs], buf_float)
+        ct_k, ct_init, ct_b = _backward(
+            b, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c,
+            ct_b, buf_float, write_spec,
+        )  # fmt: skip
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
-            [None] * len(cond_consts_avals),
+            [None] * num_cond_consts,
             merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
+            merge(ct_b, [None] * (len(bufs) - len(ct_b)), buf_float),
         )
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -334,7 +527,8 @@ def _read(buffers, index):
 def load_hidden(hidden, init, slot, avals):
     """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
 
-    Reads the buffers outside any conditional (see `_backward`): a ``where`` picks.
+    Reads the buffers outside any conditional (see `_backward`): a ``where`` picks (on the
+    stored form: keys as key data).
     """
     if not hidden or hidden[0].shape[0] == 0:  # no slots: h_0 is the only carry kept
         return list(init)
@@ -373,7 +567,21 @@ def _stack(n, num_slots, row_pos, row_slot, row_store):
     return stack_pos, stack_slot, jnp.sum(held).astype(jnp.int32)
 
 
-def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c):
+def _backward(
+    body: Body,
+    slots,
+    consts,
+    init,
+    hidden,
+    n,
+    stack_pos,
+    stack_slot,
+    depth,
+    ct_c,
+    ct_b=(),
+    buf_float=(),
+    write_spec=(),
+):
     """Back-propagates steps n-1 .. 0 by the binomial recursion over the kept stack.
 
     The slot buffers are only read outside conditionals and written unconditionally (the
@@ -382,50 +590,73 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
     """
     kf, _ = split(consts, body.const_mask)
     num_slots = slots - 1
-    ids = jnp.arange(num_slots, dtype=jnp.int32)
 
-    def free_slot(stack_slot, depth):
-        # A physical slot that no carry on the stack holds (there is one: m >= 2 below).
-        in_use = (ids[None, :] == stack_slot[1:, None]) & (
-            jnp.arange(1, num_slots + 1)[:, None] <= depth
-        )
-        return jnp.argmin(jnp.any(in_use, axis=0)).astype(jnp.int32)
+    # Free physical slots, as a stack: ``free[:fp]``. Found once (O(slots)); then a push
+    # takes the top and a pop gives its slot back, O(1) each. (A search over the slots at
+    # every push made 64 slots slower than 32 on a small body: issue 12.)
+    ids = jnp.arange(num_slots, dtype=jnp.int32)
+    target = jnp.where(ids + 1 <= depth, stack_slot[1:], num_slots)
+    in_use = jnp.zeros(num_slots + 1, jnp.bool_).at[target].set(True)[:num_slots]
+    free = jnp.argsort(in_use, stable=True).astype(jnp.int32)  # free slots first
+    fp = (num_slots - depth).astype(jnp.int32)
 
     def push_cond(state):
-        e, _hidden, stack_pos, _stack_slot, depth = state
+        e, _hidden, stack_pos, _stack_slot, depth, _free, _fp = state
         t = e - stack_pos[depth] + 1
         # e >= 0: under vmap a member that is done keeps running this loop (its results
         # discarded) until the last member is; it must not push.
         return (e >= 0) & (t >= 2) & (slots - depth >= 2)
 
     def push(state):
-        e, hidden, stack_pos, stack_slot, depth = state
+        e, hidden, stack_pos, stack_slot, depth, free, fp = state
         b = stack_pos[depth]
         y = hsm_split_device(e - b + 1, slots - depth)
         c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
         c = advance_steps(body, consts, c, [], b, y)
-        j = free_slot(stack_slot, depth)
+        fp = fp - 1
+        j = free[fp]  # there is one: slots - depth >= 2
         hidden = _write(hidden, j, c, body.carry_avals)
         depth = depth + 1
         stack_pos = stack_pos.at[depth].set(b + y)
         stack_slot = stack_slot.at[depth].set(j)
-        return e, hidden, stack_pos, stack_slot, depth
+        return e, hidden, stack_pos, stack_slot, depth, free, fp
+
+    def buffer_cts(ys, ct_b):
+        """Each float write's cotangent, read from its buffer's (then zeroed there)."""
+        ct_y, k = [], 0
+        ct_b = list(ct_b)
+        where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
+        for j, n_idx in write_spec:
+            index = tuple(ys[k : k + n_idx])
+            if buf_float[j]:
+                f = int(where[j])
+                if body.y_mask[k + n_idx]:  # the value written is differentiated
+                    ct_y.append(ct_b[f][index])
+                ct_b[f] = ct_b[f].at[index].set(0)
+            k += n_idx + 1
+        return ct_y, ct_b
 
     def step(state):
-        e, hidden, stack_pos, stack_slot, depth, ct_c, ct_k = state
-        # Pop the carry whose step was the last back-propagated.
-        depth = jnp.where((stack_pos[depth] > e) & (depth > 0), depth - 1, depth)
+        e, hidden, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, ct_b = state
+        # Pop the carry whose step was the last back-propagated; its slot is free again.
+        popped = (stack_pos[depth] > e) & (depth > 0)
         if num_slots:
-            _, hidden, stack_pos, stack_slot, depth = lax.while_loop(
-                push_cond, push, (e, hidden, stack_pos, stack_slot, depth)
+            top = jnp.minimum(fp, num_slots - 1)
+            free = free.at[top].set(jnp.where(popped, stack_slot[depth], free[top]))
+            fp = fp + popped.astype(jnp.int32)
+        depth = jnp.where(popped, depth - 1, depth)
+        if num_slots:
+            _, hidden, stack_pos, stack_slot, depth, free, fp = lax.while_loop(
+                push_cond, push, (e, hidden, stack_pos, stack_slot, depth, free, fp)
             )
         b = stack_pos[depth]
         c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
         c = advance_steps(body, consts, c, [], b, e - b)
-        pullback = body.linearize(consts, c, [])[2]
-        d_k, ct_c, _ = apply_pullback(pullback, ct_c, [])
+        _, ys, pullback = body.linearize(consts, c, [])
+        ct_y, ct_b = buffer_cts(ys, ct_b)
+        d_k, ct_c, _ = apply_pullback(pullback, ct_c, ct_y)
         ct_k = [a + d for a, d in zip(ct_k, d_k)]
-        return e - 1, hidden, stack_pos, stack_slot, depth, ct_c, ct_k
+        return e - 1, hidden, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, ct_b
 
     state = (
         n - 1,
@@ -433,8 +664,11 @@ def _backward(body: Body, slots, consts, init, hidden, n, stack_pos, stack_slot,
         stack_pos,
         stack_slot,
         depth,
+        free,
+        fp,
         list(ct_c),
         [jnp.zeros_like(k) for k in kf],
+        list(ct_b),
     )
     state = lax.while_loop(lambda s: s[0] >= 0, step, state)
-    return state[6], state[5]
+    return state[8], state[7], state[9]

@@ -16,8 +16,11 @@ from ._baselines import revolve_cost as revolve_cost
 from ._baselines import store_all as store_all
 from ._baselines import store_none as store_none
 from ._chain import plan_chain as plan_chain
+from ._closed import hsm_cost as hsm_cost
+from ._closed import ism_cost as ism_cost
 from ._dp import cost_table as cost_table
 from ._dp import plan as plan
+from ._dp import plan_estimate as plan_estimate
 from ._msm import msm_estimate_s as msm_estimate_s
 from ._schedule import (
     Op as Op,
@@ -32,3 +35,4 @@ from ._schedule import (
     SimulationResult as SimulationResult,
 )
 from ._schedule import simulate as simulate
+from ._schedule import stack_depths as stack_depths

@@ -27,22 +27,33 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Callable
 from typing import Literal, cast
 
 import numpy as np
 
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
-from ._schedule import Op, Schedule
+from ._schedule import Op, Schedule, count_peak
 
-__all__ = ["cost_table", "plan"]
+__all__ = ["cost_table", "plan", "plan_estimate"]
 
 Policy = Literal["hsm", "ism", "msm"]
 _POLICIES = ("hsm", "ism", "msm")
 
-_MAX_STEPS = 5_000_000  # beyond this the rows alone take gigabytes (about 5 rows per step)
-_MSM_BUDGET_S = 120.0  # refuse exact MSM tables estimated to take longer than this
-_MSM_BUDGET_BYTES = 4 * 2**30  # or to take more memory than this (C, H, D: 13 B per cell)
+_MSM_BUDGET_S = 120.0  # refuse work (MSM tables, rows, cost tables) estimated longer
+_MSM_BUDGET_BYTES = 4 * 2**30  # or larger than this (MSM tables: C, H, D, 13 B per cell)
+
+# Unrolling, measured on 2 shared CPU cores (t = 10^6 .. 5 * 10^6, m = 10 .. 1000): at
+# most 5 rows per step, int32 rows of 12 B, about 36 B per row at the peak (the leaves'
+# blocks and their concatenation), 0.25-1.2 us per step (more for small m: more splits).
+_ROWS_PER_STEP = 5
+_PEAK_BYTES_PER_ROW = 40
+_S_PER_STEP = 1.2e-6
+# cost_table: float64 cells, and a closed-form column per m (about 5 ns per cell).
+_S_PER_CELL = 5e-9
+
+Progress = Callable[[float], None]
 
 # Opcodes as plain ints (the emitter's inner loop is hot).
 _ADV = int(Op.ADVANCE)
@@ -127,13 +138,52 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
 
 def _msm_check(fn: str, what: str, t: int, m: int, alpha: int, beta: int, hint: str) -> None:
     """Refuses exact MSM tables estimated to take more than two minutes or 4 GiB."""
-    est = msm_estimate_s(t, m, alpha, beta)
+    seconds = msm_estimate_s(t, m, alpha, beta)
     nbytes = 13 * (t + 1) * (m + 1 + alpha)
-    if est > _MSM_BUDGET_S or nbytes > _MSM_BUDGET_BYTES:
+    _refuse_if_too_large(fn, f"the exact MSM table for {what} (O(t m))", seconds, nbytes, hint)
+
+
+def plan_estimate(
+    num_steps: int,
+    memory: int,
+    *,
+    policy: Policy = "hsm",
+    alpha: int | None = None,
+    beta: int | None = None,
+) -> tuple[float, int]:
+    """Seconds and peak bytes `plan` is expected to take for these arguments.
+
+    A model fitted on 2 shared CPU cores (`benchmarks/long.py` re-measures it): about
+    1.2 us and 200 B per step to unroll the rows, plus the exact table's time and
+    13 B per cell for MSM with alpha >= 2 (`msm_estimate_s`). `plan` refuses, before
+    doing any work, what is estimated above two minutes or 4 GiB.
+
+    Returns:
+        ``(seconds, bytes)``.
+    """
+    t, m, policy, alpha, beta = _check(
+        "memento.planning.plan_estimate", num_steps, memory, policy, alpha, beta
+    )
+    return _estimate(t, m, policy, alpha, beta)
+
+
+def _estimate(t: int, m: int, policy: str, alpha: int, beta: int) -> tuple[float, int]:
+    seconds = _S_PER_STEP * t
+    nbytes = _PEAK_BYTES_PER_ROW * _ROWS_PER_STEP * t
+    if policy == "msm" and alpha > 1:
+        m_eff = min(m, 1 + (t - 1) * alpha)
+        seconds += msm_estimate_s(t, m_eff, alpha, beta)
+        nbytes = max(nbytes, 13 * (t + 1) * (m_eff + 1 + alpha))
+    return seconds, nbytes
+
+
+def _refuse_if_too_large(fn: str, what: str, seconds: float, nbytes: int, hint: str) -> None:
+    if seconds > _MSM_BUDGET_S or nbytes > _MSM_BUDGET_BYTES:
+        took = f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
         raise ValueError(
-            f"{fn}: the exact MSM table for {what} would take about {est / 60:.0f} min and "
-            f"{nbytes / 2**30:.1f} GiB (O(t m); the limits are {_MSM_BUDGET_S / 60:.0f} min "
-            f"and {_MSM_BUDGET_BYTES / 2**30:.0f} GiB); {hint}"
+            f"{fn}: {what} would take about {took} and "
+            f"{nbytes / 2**30:.1f} GiB (the limits are {_MSM_BUDGET_S / 60:.0f} min and "
+            f"{_MSM_BUDGET_BYTES / 2**30:.0f} GiB); {hint}"
         )
 
 
@@ -157,8 +207,8 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     carry most of the rows), so they are emitted as arrays, not row by row.
     """
     if kind == "quadratic":  # C(t, 1) = t(t+1)/2: recompute from the base for each step
-        p = np.arange(t - 2, 0, -1)
-        mid = np.zeros((len(p), 3, 3), dtype=np.int64)
+        p = np.arange(t - 2, 0, -1, dtype=np.int32)
+        mid = np.zeros((len(p), 3, 3), dtype=np.int32)
         mid[:, 0] = (_BASE, _BASE, 0)
         mid[:, 1, 0], mid[:, 1, 1] = _ADV, p
         mid[:, 2, 0], mid[:, 2, 2] = _FUSED, p
@@ -168,15 +218,15 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 mid.reshape(-1, 3),
                 [(_BASE, _BASE, 0), (_FUSED, 0, 0)],
             ]
-        ).astype(np.int64)
+        ).astype(np.int32)
         slot = np.zeros(len(rows), dtype=bool)
     elif kind == "hidden_chain":  # C = 2t - 1: keep h_1 .. h_{t-2}, fuse the last step
-        k = np.arange(1, t - 1)
-        fwd = np.zeros((len(k), 2, 3), dtype=np.int64)
+        k = np.arange(1, t - 1, dtype=np.int32)
+        fwd = np.zeros((len(k), 2, 3), dtype=np.int32)
         fwd[:, 0, 0], fwd[:, 0, 1], fwd[:, 0, 2] = _ADV, 1, k - 1
         fwd[:, 1, 0], fwd[:, 1, 1], fwd[:, 1, 2] = _SAVE_H, k - 1, k
         kr = k[::-1]
-        back = np.zeros((len(k), 3, 3), dtype=np.int64)
+        back = np.zeros((len(k), 3, 3), dtype=np.int32)
         back[:, 0, 0], back[:, 0, 1], back[:, 0, 2] = _LOAD_H, kr - 1, kr
         back[:, 1, 0], back[:, 1, 2] = _FUSED, kr
         back[:, 2, 0], back[:, 2, 1], back[:, 2, 2] = _FREE_H, kr - 1, kr
@@ -187,15 +237,16 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 back.reshape(-1, 3),
                 [(_BASE, _BASE, 0), (_FUSED, 0, 0)],
             ]
-        ).astype(np.int64)
+        ).astype(np.int32)
         slot = np.isin(rows[:, 0], (_SAVE_H, _LOAD_H, _FREE_H))
     else:  # "internal_chain", C = t: keep every step's internal state, then unwind
-        k = np.arange(t)
+        k = np.arange(t, dtype=np.int32)
         kr = k[::-1]
-        back = np.zeros((t, 2, 3), dtype=np.int64)
+        back = np.zeros((t, 2, 3), dtype=np.int32)
         back[:, 0, 0], back[:, 1, 0] = _BACK_I, _FREE_I
         back[:, :, 1] = back[:, :, 2] = kr[:, None]
         rows = np.concatenate([np.stack([np.full(t, _SAVE_I), k, k], 1), back.reshape(-1, 3)])
+        rows = rows.astype(np.int32)
         slot = np.ones(len(rows), dtype=bool)
     base = rows[:, 0] == _BASE
     for a in (rows, slot, base):
@@ -206,7 +257,15 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _cached_leaf = functools.lru_cache(maxsize=2048)(_build_leaf)
 
 
-def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, tables) -> np.ndarray:
+def _emit(
+    num_steps: int,
+    memory: int,
+    policy: str,
+    alpha: int,
+    beta: int,
+    tables,
+    progress: Progress | None = None,
+) -> np.ndarray:
     """Unrolls the policy's recursion into schedule rows, depth first, with a stack.
 
     Stack entries are nodes ``(b, t, m, hd, idp, base_op, base_arg)`` (hd / idp: hidden /
@@ -230,6 +289,9 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
     def leaf(kind: str, t: int, b: int, slot0: int, bop: int, barg: int) -> None:
         leaves.append((kind, t, len(out) // 3, b, slot0, bop, barg))
 
+    # Depth first, right part first: when node (b, t) is popped, every step from b + t on
+    # has its rows, so 1 - (b + t) / num_steps is the fraction done.
+    ticks = 0
     while stack:
         node = pop()
         b = node[0]
@@ -237,6 +299,9 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
             ext(node[1])
             continue
         _, t, m, hd, idp, bop, barg = node
+        ticks += 1
+        if progress is not None and ticks % 4096 == 0:
+            progress(1.0 - (b + t) / num_steps)
         if ism:
             if t <= m:
                 if t == 1:
@@ -285,7 +350,19 @@ def _emit(num_steps: int, memory: int, policy: str, alpha: int, beta: int, table
                 push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
             if t > y:
                 push((p + 1, t - y, mr, hd, idp + 1, _LOAD_I, idp))
-    return _assemble(np.array(out, dtype=np.int64).reshape(-1, 3), leaves)
+    return _assemble(np.array(out, dtype=np.int32).reshape(-1, 3), leaves)
+
+
+def _peak(rows: np.ndarray, policy: str, alpha: int, beta: int, counts_initial: bool) -> int:
+    """The plan's peak memory. HSM and ISM plans number their slots by stack depth
+    (`_emit`), so the peak is the deepest save's; MSM plans are counted (`count_peak`).
+    The planner's tests check both against the replay."""
+    if policy == "msm":
+        return count_peak(rows, alpha, beta, counts_initial)
+    op = _SAVE_H if policy == "hsm" else _SAVE_I
+    size = 1 if policy == "hsm" else alpha
+    deepest = int(rows[rows[:, 0] == op, 1].max(initial=-1))
+    return int(counts_initial) + size * (deepest + 1)
 
 
 def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
@@ -300,26 +377,27 @@ def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
     for i, leaf in enumerate(leaves):
         groups.setdefault(leaf[:2], []).append(i)
     _, _, before, bs, slots, bops, bargs = (np.asarray(a) for a in zip(*leaves, strict=True))
-    blocks: list[np.ndarray] = [None] * len(leaves)  # type: ignore[list-item]
-    for (kind, t), idx in groups.items():
-        tmpl, slot, base = _leaf_template(kind, t)
+    templates = {key: _leaf_template(*key) for key in groups}
+    lengths = np.zeros(len(leaves), np.int64)
+    for key, idx in groups.items():
+        lengths[idx] = len(templates[key][0])
+    # Where everything goes: leaf i starts after its ``before`` small rows and the leaves
+    # before it; small row r after r small rows and the leaves placed before it.
+    done = np.concatenate([[0], np.cumsum(lengths)])
+    starts = before + done[:-1]
+    out = np.empty((len(small) + int(done[-1]), 3), small.dtype)
+    r = np.arange(len(small))
+    out[r + done[np.searchsorted(before, r, side="right")]] = small
+    for key, idx in groups.items():
+        tmpl, slot, base = templates[key]
         idx = np.asarray(idx)
         block = np.broadcast_to(tmpl, (len(idx), *tmpl.shape)).copy()
         block[:, :, 2] += bs[idx, None]
         block[:, slot, 1] += slots[idx, None]
         block[:, base, 0] = bops[idx, None]
         block[:, base, 1] = bargs[idx, None]
-        for i, rows in zip(idx.tolist(), block, strict=True):
-            blocks[i] = rows
-    pieces = []
-    prev = 0
-    for k, rows in zip(before.tolist(), blocks, strict=True):
-        if k > prev:
-            pieces.append(small[prev:k])
-            prev = k
-        pieces.append(rows)
-    pieces.append(small[prev:])
-    return np.concatenate(pieces)
+        out[starts[idx, None] + np.arange(len(tmpl))] = block
+    return out
 
 
 # --------------------------------------------------------------------------- public API
@@ -332,6 +410,7 @@ def plan(
     policy: Policy = "hsm",
     alpha: int | None = None,
     beta: int | None = None,
+    progress: Progress | None = None,
 ) -> Schedule:
     """Plans an optimal checkpointing schedule for ``num_steps`` loop steps in ``memory`` slots.
 
@@ -353,6 +432,9 @@ def plan(
             ``"ism"``, not accepted for ``"hsm"``.
         beta: slots an internal state takes when its input state is already held
             (section 3.4); ``"msm"`` only, ``1 <= beta <= alpha``, default ``alpha``.
+        progress: called now and then with the fraction of the work done (0 to 1), for
+            plans that take seconds (`plan_estimate` predicts how long); the CLI prints
+            it to stderr. The library itself never prints.
 
     Returns:
         A `Schedule` whose ``cost`` is the paper's C(t, m) (an exact int) and whose replay
@@ -384,11 +466,14 @@ def plan(
     """
     fn = "memento.plan"
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
-    if t > _MAX_STEPS:
-        raise ValueError(
-            f"{fn}: num_steps={t} would unroll into about {5 * t} schedule rows "
-            f"(~{5 * t * 24 / 2**30:.1f} GiB); plan at most {_MAX_STEPS} steps, e.g. "
-            "by checkpointing chunks of the loop"
+    seconds, nbytes = _estimate(t, m, policy, alpha, beta)
+    if policy != "msm" or alpha == 1:  # MSM's tables are checked below, with a hint
+        _refuse_if_too_large(
+            fn,
+            f"unrolling num_steps={t} into about {_ROWS_PER_STEP * t} schedule rows",
+            seconds,
+            nbytes,
+            "plan fewer steps, e.g. by checkpointing chunks of the loop",
         )
     tables = None
     m_plan = m // alpha if policy == "ism" else m  # the paper's m for the recursion
@@ -406,11 +491,23 @@ def plan(
         what = f"num_steps={t}, memory={m_eff}, alpha={alpha}, beta={beta}"
         hint = f"use policy='hsm' (closed form, cost {hsm_cost(t, m)} here) or plan fewer steps"
         _msm_check(fn, what, t, m_eff, alpha, beta, hint)
-        c, kind, split = msm_tables(t, m_eff, alpha, beta)
+        c, kind, split = msm_tables(
+            t,
+            m_eff,
+            alpha,
+            beta,
+            progress=None if progress is None else (lambda f: progress(0.9 * f)),
+        )
         cost = int(c[t, m_eff])
         tables = (kind, split)
         m_plan = m_eff
-    rows = _emit(t, m_plan, policy, alpha, beta, tables)
+    emit_progress = progress
+    if progress is not None and tables is not None:
+        emit_progress = lambda f: progress(0.9 + 0.1 * f)  # noqa: E731
+    rows = _emit(t, m_plan, policy, alpha, beta, tables, emit_progress)
+    if progress is not None:
+        progress(1.0)
+    counts_initial = policy != "ism"
     return Schedule(
         num_steps=t,
         memory=m,
@@ -419,7 +516,8 @@ def plan(
         actions=rows,
         alpha=alpha,
         beta=beta,
-        counts_initial=policy != "ism",
+        counts_initial=counts_initial,
+        planned_peak=_peak(rows, policy, alpha, beta, counts_initial),
     )
 
 
@@ -441,6 +539,10 @@ def cost_table(
         float64 array of shape ``(max_steps + 1, max_memory + 1)``: entry ``[t, m]`` is
         C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
 
+    Raises:
+        ValueError: as `plan`'s, and a table estimated to take more than two minutes or
+            4 GiB (8 B per entry), refused before any work with the estimate.
+
     Examples:
         >>> import memento
         >>> memento.cost_table(3, 2)
@@ -451,6 +553,14 @@ def cost_table(
     """
     fn = "memento.cost_table"
     t, m, policy, alpha, beta = _check(fn, max_steps, max_memory, policy, alpha, beta)
+    cells = (t + 1) * (m + 1)
+    _refuse_if_too_large(
+        fn,
+        f"a table of {t + 1} x {m + 1} costs",
+        _S_PER_CELL * cells,
+        8 * cells,
+        "ask for fewer steps or slots, or use plan(num_steps, memory).cost for single entries",
+    )
     out = np.full((t + 1, m + 1), np.inf)
     out[0, :] = 0.0
     if policy == "hsm" or (policy == "msm" and alpha == 1):

@@ -341,7 +341,13 @@ class _Column:
 
 
 def msm_tables(
-    num_steps: int, memory: int, alpha: int, beta: int, *, exact_rows: int | None = None
+    num_steps: int,
+    memory: int,
+    alpha: int,
+    beta: int,
+    *,
+    exact_rows: int | None = None,
+    progress=None,
 ):
     """`msm_tables_full`'s C, H and D (same C; H and D optimal), column by column, certified.
 
@@ -378,4 +384,6 @@ def msm_tables(
         column = _Column(cx, kind, split, m, pad, alpha, beta, hulls)
         column.run(exact_rows + 1)
         done(m, column.hx, column.hy)
+        if progress is not None:
+            progress(m / memory)
     return cx[:, pad:], kind, split

@@ -52,7 +52,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["Op", "Schedule", "ScheduleError", "SimulationResult"]
+__all__ = ["Op", "Schedule", "ScheduleError", "SimulationResult", "stack_depths"]
 
 
 class Op(enum.IntEnum):
@@ -104,7 +104,8 @@ class Schedule:
         memory: the budget in slots, the paper's m.
         policy: ``"hsm"``, ``"ism"``, ``"msm"``, ``"chain"`` or a baseline's name.
         cost: forward evaluations of the plan (first sweep included), the paper's C(t, m).
-        actions: ``(n, 3)`` int64 array of rows ``(op, arg, pos)``.
+        actions: ``(n, 3)`` integer array of rows ``(op, arg, pos)``: int32 as the planner
+            emits them (half the memory at millions of rows), else int64.
         alpha: slots taken by an internal state.
         beta: slots taken by an internal state whose input state is already held.
         counts_initial: whether ``h_0`` takes a slot of ``memory``.
@@ -123,9 +124,14 @@ class Schedule:
     hidden_sizes: tuple[int, ...] | None = None
     internal_sizes: tuple[int, ...] | None = None
     forward_costs: tuple[int, ...] | None = None
+    # Set by the planner, which counts it from the rows without a replay (`count_peak`);
+    # ``None``: `peak_memory` replays the schedule.
+    planned_peak: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
-        actions = np.asarray(self.actions, dtype=np.int64).reshape(-1, 3)
+        actions = np.asarray(self.actions)
+        dtype = np.int32 if actions.dtype == np.int32 else np.int64
+        actions = np.asarray(actions, dtype=dtype).reshape(-1, 3)
         actions.setflags(write=False)
         object.__setattr__(self, "actions", actions)
 
@@ -146,7 +152,14 @@ class Schedule:
 
     @property
     def peak_memory(self) -> int:
-        """Most slots in use at once, as counted by the replay."""
+        """Most slots in use at once: the planner's count, else the replay's.
+
+        Planned schedules carry their peak (counted from the rows in vectorised NumPy,
+        `count_peak`; the planner's tests check it against the replay), so reading it
+        costs nothing; other schedules are replayed once (`simulate`).
+        """
+        if self.planned_peak is not None:
+            return self.planned_peak
         return self._replay.peak_memory
 
     def simulate(self) -> SimulationResult:
@@ -328,3 +341,162 @@ def simulate(s: Schedule) -> SimulationResult:
         peak_internal_slots=peak_i,
         sweep_length=sweep_end,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Vectorised counts over the rows (no replay): what executors and `plan` need at O(n) NumPy
+# cost, for schedules of millions of rows.
+
+
+def _lut(*ops) -> np.ndarray:
+    """A table ``t[op]`` that is True for ``ops`` (much faster than ``np.isin`` per row)."""
+    table = np.zeros(max(Op) + 1, dtype=bool)
+    table[list(ops)] = True
+    return table
+
+
+_IS_SAVE = _lut(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL)
+_IS_FREE = _lut(Op.FREE_HIDDEN, Op.FREE_INTERNAL)
+_HIDDEN_OPS = _lut(Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.FREE_HIDDEN)
+_INTERNAL_OPS = _lut(Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL, Op.FREE_INTERNAL)
+
+
+def _matching_save(actions: np.ndarray, kind_of_row: np.ndarray, refers: np.ndarray):
+    """For every row that refers to a slot, the index of the latest save of that slot.
+
+    ``kind_of_row``: 0 hidden, 1 internal, -1 no slot. ``refers``: rows whose slot is the
+    one of an earlier save (loads, backwards from a slot, frees). Returns an int64 array,
+    -1 where the row refers to no slot or no earlier save exists (a broken schedule).
+    """
+    n = len(actions)
+    is_save = _IS_SAVE[actions[:, 0]]
+    involved = np.flatnonzero(is_save | refers)
+    out = np.full(n, -1, np.int64)
+    if len(involved) == 0:
+        return out
+    key = kind_of_row[involved] + 3 * actions[involved, 1]  # (kind, slot) as one integer
+    key -= key.min()
+    # A stable sort groups rows by slot, in row order; small keys (slots are few) sort in
+    # linear time (NumPy's radix sort for 16-bit integers).
+    if key.max() < 2**15:
+        key = key.astype(np.int16)
+    perm = np.argsort(key, kind="stable")
+    order, key_sorted = involved[perm], key[perm]
+    # Forward-fill the latest save within each group.
+    pos = np.where(is_save[order], np.arange(len(order)), -1)
+    last = np.maximum.accumulate(pos)
+    ok = last >= 0
+    ok[ok] = key_sorted[last[ok]] == key_sorted[ok]
+    out[order[ok]] = order[last[ok]]
+    out[is_save] = -1
+    return out
+
+
+def _depths(actions: np.ndarray):
+    """``(nh, ni, first_bad)`` over all rows; see `stack_depths`; ``first_bad`` is the first
+    row that breaks stack order (or refers to a slot never saved), -1 if none."""
+    op = actions[:, 0]
+    kind = np.where(_HIDDEN_OPS[op], 0, np.where(_INTERNAL_OPS[op], 1, -1))
+    kind[(op == Op.LOAD_HIDDEN) & (actions[:, 1] == INITIAL)] = -1  # h_0: no slot
+    refers = (kind >= 0) & ~_IS_SAVE[op]
+    dh = (op == Op.SAVE_HIDDEN).astype(np.int64) - (op == Op.FREE_HIDDEN)
+    di = (op == Op.SAVE_INTERNAL).astype(np.int64) - (op == Op.FREE_INTERNAL)
+    # States live just before each row (exclusive cumulative sums).
+    nh = np.concatenate([[0], np.cumsum(dh)[:-1]]).astype(np.int64)
+    ni = np.concatenate([[0], np.cumsum(di)[:-1]]).astype(np.int64)
+    # Fast path, no sort: one kind of slot, numbered by depth (the planner numbers its
+    # slots so: HSM and ISM). Then slot j always holds the state at depth j, so stack order
+    # holds when every save takes the next slot, every free the top one, every use a
+    # live one.
+    if not ((kind == 0).any() and (kind == 1).any()):
+        arg, depth = actions[:, 1], nh + ni
+        is_save = _IS_SAVE[op]
+        ok = np.where(is_save, arg == depth, True)
+        ok &= np.where(_IS_FREE[op], arg == depth - 1, True)
+        ok &= np.where(refers, (arg >= 0) & (arg < depth), True)
+        if ok.all():
+            slot = kind >= 0
+            if (kind == 0).any():
+                nh = np.where(slot, arg, nh)
+            else:
+                ni = np.where(slot, arg, ni)
+            return nh, ni, -1
+    save = _matching_save(actions, kind, refers)
+    bad = refers & (save < 0)
+    has = save >= 0
+    # A state lies on top of the nh + ni states live when it was saved.
+    nh[has], ni[has] = nh[save[has]], ni[save[has]]
+    # Stack order: a free releases the top, i.e. the state saved with depth (nh, ni) is
+    # freed while exactly nh + ni + 1 states are live.
+    live = np.concatenate([[0], np.cumsum(dh + di)[:-1]])
+    frees = _IS_FREE[op] & has
+    bad |= frees & (nh + ni + 1 != live)
+    first_bad = int(np.argmax(bad)) if bad.any() else -1
+    return nh, ni, first_bad
+
+
+def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How many hidden and internal states lie below each executable row's state.
+
+    The planner's schedules use their slots as a stack (Algorithm 2 of Gruslys et al.: a
+    state is released before any state stored before it), so an executor can keep hidden
+    and internal states in two stacks (or one pool) at offsets fixed from these counts.
+    Vectorised NumPy, O(n log n) for n rows.
+
+    Args:
+        actions: a schedule's ``(n, 3)`` rows, FREE rows included (``Schedule.actions``).
+
+    Returns:
+        ``(n_hidden_below, n_internal_below)``: int64 arrays aligned with the rows without
+        FREE rows (`Schedule.executable`). For a row that stores, loads or back-propagates
+        from a slot: the hidden and internal states stored below that slot's state. For
+        other rows (ADVANCE, BACKWARD_FUSED, a load of ``h_0``): the states live then.
+
+    Raises:
+        ScheduleError: a release out of stack order, or a slot used before it was saved.
+    """
+    actions = np.asarray(actions).reshape(-1, 3)
+    nh, ni, bad = _depths(actions)
+    if bad >= 0:
+        raise ScheduleError(
+            f"memento.planning.stack_depths: row {bad} {tuple(int(v) for v in actions[bad])} "
+            "releases a slot out of stack order or uses a slot never saved; the slots of "
+            "a schedule must be used as a stack (the planner's are)"
+        )
+    keep = ~_IS_FREE[actions[:, 0]]
+    return nh[keep], ni[keep]
+
+
+def count_peak(actions: np.ndarray, alpha: int, beta: int, counts_initial: bool) -> int:
+    """Most slots in use at once, counted from the rows in vectorised NumPy (no replay).
+
+    For uniform schedules whose reduced-size internal states (``beta``) are stored right
+    where their input state was just saved or loaded (the planner's are: a push at the
+    base of a subproblem, or the next step of a chain of pushes); `simulate` checks any
+    schedule, and the planner's tests check that both counts agree.
+    """
+    op = actions[:, 0]
+    size = np.zeros(len(actions), np.int64)
+    size[op == Op.SAVE_HIDDEN] = 1
+    size[op == Op.FREE_HIDDEN] = -1
+    si = op == Op.SAVE_INTERNAL
+    fi = op == Op.FREE_INTERNAL
+    if beta == alpha:
+        size[si], size[fi] = alpha, -alpha
+    else:
+        # The input h_pos of a save is held when the row before stored, loaded or
+        # produced (as an internal state's output) h_pos, or pos == 0.
+        prev = np.concatenate([[(-1, -1, -1)], actions[:-1]])
+        pos = actions[:, 2]
+        held = (pos == 0) | (
+            _lut(Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)[prev[:, 0]] & (prev[:, 2] == pos)
+        )
+        held |= (prev[:, 0] == Op.SAVE_INTERNAL) & (prev[:, 2] == pos - 1)
+        size[si] = np.where(held[si], beta, alpha)
+        # A free releases what its save took: match each free with its save.
+        kind = np.where(si | fi, 1, -1)
+        save = _matching_save(actions, kind, fi)
+        size[fi] = -size[save[fi]]
+    changes = size[size != 0]  # memory only changes at saves and frees
+    used = int(counts_initial) + np.cumsum(changes)
+    return int(max(int(counts_initial), int(used.max(initial=0))))
