@@ -1,4 +1,28 @@
+import gc
+import sys
+from pathlib import Path
+
 import pytest
+
+# Every executable XLA:CPU compiles holds memory maps, and a process may hold at most
+# vm.max_map_count of them (65530 by default). One suite compiles thousands of programs:
+# the conformance file alone reached 36,000 maps, and the whole suite crashed XLA's
+# compiler with a segmentation fault once past the limit. So caches are cleared whenever
+# the process holds many maps.
+_MAPS = Path("/proc/self/maps")
+_MAX_MAPS = 20_000
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    yield
+    if "jax" not in sys.modules or not _MAPS.exists():
+        return
+    with _MAPS.open() as f:
+        maps = sum(1 for _ in f)
+    if maps > _MAX_MAPS:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
