@@ -2,7 +2,8 @@
 
 Each variant is a drop-in ``scan(f, init, xs=None, length=None, reverse=False, unroll=1)``.
 The memento variants cover every policy, budgets of 1 and 2 slots, a third of the length
-and more than the length, ``unroll`` and a byte budget. Tests compare each with
+and more than the length, ``unroll``, a byte budget, and HSM both as schedule rows and as
+the device recursion that long scans use. Tests compare each with
 ``lax.scan`` (or an unrolled loop) in float64.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 from jax import lax
 
 import memento
+from memento.loops import _scan
 
 T = 9  # the length most tests use; budgets below are chosen against it
 
@@ -24,14 +26,21 @@ class Variant:
     memory: object = None
     policy: str = "auto"
     unroll: int = 1
+    recursion: bool = False  # HSM as the device recursion (`memento.loops._recursion`)
 
     def __call__(self, f, init, xs=None, length=None, reverse=False, unroll=1):
         if self.memory is None:
             return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
-        return memento.scan(
-            f, init, xs, length, reverse, max(unroll, self.unroll),
-            memory=self.memory, policy=self.policy,
-        )  # fmt: skip
+        # Scan plans when its gradient is traced, inside this call.
+        saved = _scan.RECURSION_MIN_STEPS
+        _scan.RECURSION_MIN_STEPS = 1 if self.recursion else 2**62
+        try:
+            return memento.scan(
+                f, init, xs, length, reverse, max(unroll, self.unroll),
+                memory=self.memory, policy=self.policy,
+            )  # fmt: skip
+        finally:
+            _scan.RECURSION_MIN_STEPS = saved
 
     def __repr__(self):
         return self.name
@@ -50,10 +59,12 @@ MEMENTO = [
     Variant("auto-third", T // 3, "auto"),
     Variant("auto-bytes", "4KiB", "auto"),
     Variant("hsm-unroll", T // 3, "hsm", unroll=2),
+    Variant("hsm-rec-2", 2, "hsm", recursion=True),
+    Variant("hsm-rec-third", T // 3, "hsm", unroll=2, recursion=True),
 ]
 ALL = [LAX, *MEMENTO]
 # A smaller set for the costlier tests (dtypes, second order under vmap, ...).
-FEW = [MEMENTO[0], MEMENTO[2], MEMENTO[6], MEMENTO[8], MEMENTO[-1]]
+FEW = [MEMENTO[0], MEMENTO[2], MEMENTO[6], MEMENTO[8], MEMENTO[10], MEMENTO[-1]]
 
 
 def assert_close(a, b, rtol=1e-10, atol=1e-10, weak=False):

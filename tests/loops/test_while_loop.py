@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import memento
-from memento.loops._while import hsm_split_device
+from memento.loops._recursion import hsm_split_device
 from memento.planning import _online
 from memento.planning._closed import hsm_cost, hsm_split
 

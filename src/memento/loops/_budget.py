@@ -110,35 +110,37 @@ def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name
     ``"auto"`` takes the fastest of HSM, ISM and MSM by `predicted_work`. All three fit
     the budget exactly: the executor stores every state in one stack-allocated pool.
     """
+    chosen = choose_policy(num_steps, slots, alpha, policy, name=name)
+    return _plan(num_steps, slots, chosen, None if chosen == "hsm" else alpha)
+
+
+def choose_policy(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> str:
+    """The policy `choose_schedule` plans: ``policy`` itself, or what ``"auto"`` picks.
+
+    HSM and ISM are priced from their closed forms without emitting a row (ISM stores
+    every step's internal state once: t saves); MSM, when cheap enough to plan, is planned
+    and priced from its rows, and taken when its `predicted_work` is strictly lower.
+    """
     if policy not in POLICIES:
         raise ValueError(f"{name}: policy must be one of {POLICIES}, got {policy!r}.")
-    if policy == "hsm":
-        return _plan(num_steps, slots, "hsm", None)
-    if policy == "ism":
-        if slots < alpha:
-            raise ValueError(
-                f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
-                f"(measured from the body's residuals); got {slots}. Raise memory or use "
-                "policy='hsm' or 'auto'."
-            )
-        return _plan(num_steps, slots, "ism", alpha)
-    if policy == "msm":
-        return _plan(num_steps, slots, "msm", alpha)
-    # HSM and ISM are priced from their closed forms before any row is emitted (ISM
-    # stores every step's internal state once: t saves), so only the winner is unrolled.
-    # MSM, when cheap enough to plan, is planned and priced from its rows.
+    if policy == "ism" and slots < alpha:
+        raise ValueError(
+            f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
+            f"(measured from the body's residuals); got {slots}. Raise memory or use "
+            "policy='hsm' or 'auto'."
+        )
+    if policy != "auto":
+        return policy
     hsm_work = float(planning.hsm_cost(num_steps, slots))
     ism_work = (
         planning.ism_cost(num_steps, slots // alpha) + INTERNAL_STATE_CHARGE * num_steps
         if slots >= alpha
         else math.inf
     )
-    best = _plan(num_steps, slots, "hsm", None) if hsm_work <= ism_work else None
-    if best is None:
-        best = _plan(num_steps, slots, "ism", alpha)
-    if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
-        msm = _plan(num_steps, slots, "msm", alpha)
-        best = min([best, msm], key=lambda s: (predicted_work(s), s.peak_memory))
+    best, work = ("hsm", hsm_work) if hsm_work <= ism_work else ("ism", ism_work)
+    cheap = alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS
+    if cheap and predicted_work(_plan(num_steps, slots, "msm", alpha)) < work:
+        best = "msm"
     return best
 
 

@@ -228,7 +228,7 @@ def _stack_tops(prog: Program) -> np.ndarray:
     )
 
 
-def _x_at(xs, p):
+def x_at(xs, p):
     return [lax.dynamic_index_in_dim(x, p, 0, keepdims=False) for x in xs]
 
 
@@ -240,7 +240,7 @@ def advance_steps(body: Body, consts, c, xs, pos, count):
     """``count`` primal steps from the state ``c = h_pos`` (both may be traced values)."""
 
     def one(i, c):
-        return body(consts, c, _x_at(xs, pos + i))[0]
+        return body(consts, c, x_at(xs, pos + i))[0]
 
     return lax.fori_loop(0, count, one, c)
 
@@ -282,7 +282,7 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     def step(state, inp):
         c, slots = state
         p, sh, si = inp
-        x = _x_at(xs, p)
+        x = x_at(xs, p)
         if prog.sweep_saves_hidden:
             slots = layout.save_hidden(slots, sh, c, sh >= 0)
         if has_internal:
@@ -381,7 +381,7 @@ def run_backward(
     switch_branches = (advance, keep, take_hidden, take_internal)
 
     def save_internal(c, slots, arg, pos):
-        c_new, _, res = body.save(spec, consts, c, _x_at(xs, pos))
+        c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
         extra = c_new if prog.loads_internal else []
         return c_new, layout.save_internal(slots, arg, res + extra)
 
@@ -416,11 +416,11 @@ def run_backward(
     # The pool may be *read* inside a conditional (only handing it back copies it), so a
     # stored backward reads its slot in its own branch and fused ones read nothing.
     def fused_bw(c, slots, slot, p, ct_c, ct_y):
-        return apply_pullback(body.linearize(consts, c, _x_at(xs, p))[2], ct_c, ct_y)
+        return apply_pullback(body.linearize(consts, c, x_at(xs, p))[2], ct_c, ct_y)
 
     def stored_bw(c, slots, slot, p, ct_c, ct_y):
         stored = layout.load_internal(slots, slot)[:n_stored]
-        return apply_pullback(body.restore(spec, stored, consts, _x_at(xs, p)), ct_c, ct_y)
+        return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
 
     def either_bw(fused):
         # Both kinds in one schedule (MSM): choose at run time; the pullback's results
@@ -450,7 +450,7 @@ def run_backward(
     if prog.fused_last:
 
         def first_bw(c, slots, slot, p, ct_c, ct_y):
-            return apply_pullback(body.restore(spec, working, consts, _x_at(xs, p)), ct_c, ct_y)
+            return apply_pullback(body.restore(spec, working, consts, x_at(xs, p)), ct_c, ct_y)
     else:
         first_bw = stored_bw
     first_slot = int(prog.backward_rows[0, 1])

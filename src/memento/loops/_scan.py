@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..planning import Schedule
+from . import _recursion
 from ._body import (
     Body,
     Static,
@@ -21,7 +22,15 @@ from ._body import (
     nbytes,
     refuse_reverse_over_reverse,
 )
-from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
+from ._budget import (
+    Bytes,
+    Policy,
+    choose_policy,
+    choose_schedule,
+    internal_slots,
+    parse_memory,
+    to_slots,
+)
 from ._interpreter import Program, compile_schedule, pool_bytes, run_backward, run_sweep
 
 _NAME = "memento.scan"
@@ -110,7 +119,7 @@ def scan(
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(_plan, num_steps=num_steps, slots=slots, policy=policy)
 
-    run = _differentiable_run(body, plan, num_steps, unroll)
+    run = _differentiable_run(body, plan, num_steps, slots, unroll)
     carry, ys = call_reverse_mode_only(
         run, (body.consts, init_leaves, x_leaves), name=_NAME, instead="memory=None (lax.scan)"
     )
@@ -156,21 +165,36 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule, schedule.memory + 1)
 
 
+# HSM runs as a recursion on the device (`_recursion`) from this many steps on, below as a
+# program of schedule rows (`_interpreter`); both make the optimal schedule's evaluations
+# (tests/loops/test_scan_recursion.py). The recursion plans nothing on the host: O(slots)
+# at trace time and in host memory, whatever the length. The rows cost O(t) to plan and
+# embed (about 5 rows of 24 bytes a step at 100 slots: 2 GB of host memory at 2^24
+# steps), but run faster on small bodies: on XLA:CPU each push of the recursion costs
+# about 1.3 us of loop overhead (a 4-float body at T = 10^6, 100 slots: 1.49 s a call
+# against 0.11 s as rows; a 64-wide body: the same time either way).
+RECURSION_MIN_STEPS = 2**24
+
+
 def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
-    """The residuals, schedule and program for a body differentiated as ``body`` says.
+    """The residuals, and the program for a body differentiated as ``body`` says.
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated.
-    The pools must fit the budget: when their layout cannot share memory exactly as the
-    schedule does (several dtypes, or the shaped layout of several devices, see
-    `_pool.Pools`), the schedule is planned again for fewer slots until they fit.
+    Returns ``(spec, None)`` when the schedule is HSM's, run by the recursion on the
+    device. Otherwise the pools must fit the budget: when their layout cannot share memory
+    exactly as the schedule does (several dtypes, or the shaped layout of several devices,
+    see `_pool.Pools`), the schedule is planned again for fewer slots until they fit.
     """
     spec = body.residual_spec()
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
+    chosen = choose_policy(num_steps, slots, alpha, policy, name=_NAME)
+    if chosen == "hsm" and num_steps >= RECURSION_MIN_STEPS:
+        return spec, None
     m = slots
     while True:
-        schedule = choose_schedule(num_steps, m, alpha, policy, name=_NAME)
+        schedule = choose_schedule(num_steps, m, alpha, chosen, name=_NAME)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes
@@ -179,7 +203,7 @@ def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
         m = max(1, min(m - 1, m * allowed // used))
 
 
-def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
+def _differentiable_run(body: Body, plan: Callable, num_steps: int, budget: int, unroll):
     """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
 
     @jax.custom_vjp
@@ -195,7 +219,12 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
         spec, prog = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
-        c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
+        if prog is None:
+            c, ys, slots, working = _recursion.scan_forward(
+                b, spec, budget, consts, init, xs, num_steps, unroll=unroll
+            )
+        else:
+            c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
         return (c, ys), (consts, init, xs, slots, working, Static((b, spec, prog)))
 
     def bwd(res, cts):
@@ -205,9 +234,14 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         ct_c_f = instantiate(ct_c, b.carry_avals, b.carry_mask)
         ct_ys_f = instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
         refuse_reverse_over_reverse((res, cts), name=_NAME)
-        ct_k, ct_init, ct_xs = run_backward(
-            prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
-        )
+        if prog is None:
+            ct_k, ct_init, ct_xs = _recursion.scan_backward(
+                b, spec, budget, num_steps, consts, init, xs, slots, working, ct_c_f, ct_ys_f
+            )
+        else:
+            ct_k, ct_init, ct_xs = run_backward(
+                prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
+            )
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),

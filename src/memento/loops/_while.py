@@ -6,14 +6,10 @@ its decisions depend on the step index only, so they are a small table of events
 ``h_p`` in slot j) read by a pointer, one comparison per step.
 
 Backward pass: once n is known, the kept carries, in position order, form a stack
-(``h_0`` at the bottom). One loop back-propagates steps n-1 .. 0; before step e it looks
-at the top of the stack, ``h_b`` with ``m = memory - depth`` slots for itself and what is
-above, and while ``t = e - b + 1 >= 2`` and ``m >= 2`` it advances ``y = hsm_split(t, m)``
-steps from ``h_b`` and pushes ``h_{b+y}``: Griewank-Walther's binomial recursion (the
-paper's HSM, eq. (1)-(3)) unrolled one push at a time, the split computed on device from
-its closed form. Then it advances to ``h_e`` and back-propagates step e fused; a carry is
-popped once its own step has been. Forward evaluations: ``n + sum_i C_hsm(L_i, memory -
-i)`` over the kept segments, exactly `memento.planning._online.online_evaluations`.
+(``h_0`` at the bottom), and `memento.loops._recursion.backward` back-propagates steps
+n-1 .. 0 by the binomial recursion over it (HSM, the split computed on device). Forward
+evaluations: ``n + sum_i C_hsm(L_i, memory - i)`` over the kept segments, exactly
+`memento.planning._online.online_evaluations`.
 
 The program holds the body three times (primal loop forward, primal and VJP backward)
 whatever ``max_steps``: the plan is data (the event table) or computed on device.
@@ -21,6 +17,7 @@ whatever ``max_steps``: the plan is data (the event table) or computed on device
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from collections.abc import Callable
@@ -33,7 +30,7 @@ from jax import core as jax_core
 from jax import lax
 
 from ..planning import _online
-from . import _pool
+from . import _recursion
 from ._body import (
     Body,
     Static,
@@ -47,7 +44,6 @@ from ._body import (
     split,
 )
 from ._budget import Bytes, parse_memory, to_slots
-from ._interpreter import advance_steps, apply_pullback
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
@@ -57,7 +53,6 @@ _NAME = "memento.while_loop"
 # extra slots would save, offline (HSM's C(n, m) / n): at n = 10^5, 3.92 at 128 slots
 # against 3.67 at 256 and 2.99 at 1024; at n = 10^4, 3.15 / 2.97 / 2.90.
 _MAX_POLICY_SLOTS = 128
-_SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
 
 def while_loop(
@@ -354,53 +349,6 @@ def _apply_writes(bufs, ys, write_spec) -> list:
 
 
 # ----------------------------------------------------------------------------------------
-# The split of the binomial recursion, on device
-
-
-def _comb(n, k):
-    """``binom(n, k)`` saturated at ``_SAT`` (int32 scalars, n >= 0; 0 for k < 0 or k > n)."""
-    k = jnp.minimum(k, n - k)
-
-    def body(i, v):
-        f = n - k + i
-        # v = binom(n-k+i-1, i-1); v * f / i is exact; saturation is sticky because the
-        # remaining factors f / i are >= 1.
-        big = v > _SAT // f
-        return jnp.where(big, _SAT, jnp.minimum(v * f // i, _SAT))
-
-    v = lax.fori_loop(1, jnp.maximum(k, 0) + 1, body, jnp.int32(1))
-    return jnp.where(k < 0, 0, v)
-
-
-def hsm_split_device(t, m):
-    """`memento.planning._closed.hsm_split` (high=True) on int32 scalars; t >= 2, m >= 2.
-
-    The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
-    with ``binom(m + w, w) - 2 >= s`` (found by stepping w up, the binomial updated in
-    place), then the split takes every increment below level w and the ties from g first.
-    """
-    s = t - 2
-
-    def cond(state):
-        _w, v = state
-        return v - 2 < s
-
-    def step(state):
-        w, v = state
-        w = w + 1
-        f = m + w
-        return w, jnp.where(v > _SAT // f, _SAT, jnp.minimum(v * f // w, _SAT))
-
-    w, _ = lax.while_loop(cond, step, (jnp.int32(1), m + 1))  # binom(m + 1, 1)
-    base_g = jnp.where(w >= 2, _comb(m + w - 2, w - 2) - 1, 0)
-    h_level = _comb(m + w - 2, w - 1)
-    base_h = h_level - 1
-    n_g = jnp.where(w >= 2, h_level, 0)
-    split = base_g + jnp.minimum(s - base_g - base_h, n_g)
-    return 1 + jnp.where(s <= 0, 0, split)
-
-
-# ----------------------------------------------------------------------------------------
 # The custom VJP
 
 
@@ -455,14 +403,14 @@ def _differentiable_run(
         consts, cond_consts, init, bufs = (
             [a.value for a in x] for x in (consts, cond_consts, init, bufs)
         )
-        hidden = [_pool.stack_of(a, num_slots) for a in body.carry_avals]
+        hidden = _recursion.allocate(body.carry_avals, num_slots)
         sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
 
         def body_fn(state):
             p, ptr, c, hidden, bufs = state
             keep = sp[ptr] == p
             if num_slots:
-                hidden = _write(hidden, ss[ptr], c, body.carry_avals, keep)
+                hidden = _recursion.write(hidden, ss[ptr], c, body.carry_avals, keep)
             c, bufs = step(consts, c, bufs)
             return p + 1, ptr + keep.astype(jnp.int32), c, hidden, bufs
 
@@ -483,9 +431,15 @@ def _differentiable_run(
         # value written there and none to what it held before.
         buf_float = [is_float(x) for x in bufs]
         ct_b = instantiate(ct_bufs, [jax.typeof(x) for x in bufs], buf_float)
-        ct_k, ct_init, ct_b = _backward(
-            b, slots, consts, init, hidden, n, stack_pos, stack_slot, depth, ct_c,
-            ct_b, buf_float, write_spec,
+        kf, _ = split(consts, b.const_mask)
+
+        def give_cts(e, d_x, ct_b):
+            return ct_b
+
+        ct_k, ct_init, ct_b = _recursion.backward(
+            b, slots, consts, init, [], hidden, n - 1, stack_pos, stack_slot, depth, ct_c,
+            [jnp.zeros_like(k) for k in kf], ct_b,
+            functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
         )  # fmt: skip
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
@@ -497,46 +451,6 @@ def _differentiable_run(
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
-
-
-# ----------------------------------------------------------------------------------------
-# Hidden slots: one typed buffer per carry leaf, with a leading slot axis. The while loop
-# keeps carries only, all of one size, so it needs none of scan's word pool (`_pool`), which
-# exists to let hidden and internal states of different sizes share one budget (the two
-# cost about the same to write and read: benchmarks/pool.py).
-
-
-def _write(buffers, index, values, avals, when=None):
-    """``buffers[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
-    index = jnp.maximum(index, 0)
-    out = []
-    for b, v, a in zip(buffers, values, avals):
-        v = _pool.to_storage(v, a)
-        if when is not None:
-            v = jnp.where(when, v, b[index])
-        out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
-    return out
-
-
-def _read(buffers, index):
-    """``[b[index] for b in buffers]``."""
-    index = jnp.maximum(index, 0)
-    return [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in buffers]
-
-
-def load_hidden(hidden, init, slot, avals):
-    """``h`` held in hidden slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
-
-    Reads the buffers outside any conditional (see `_backward`): a ``where`` picks (on the
-    stored form: keys as key data).
-    """
-    if not hidden or hidden[0].shape[0] == 0:  # no slots: h_0 is the only carry kept
-        return list(init)
-    stored = _read(hidden, slot)
-    return [
-        _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
-        for a, b, v in zip(init, stored, avals)
-    ]
 
 
 def _stack(n, num_slots, row_pos, row_slot, row_store):
@@ -567,108 +481,17 @@ def _stack(n, num_slots, row_pos, row_slot, row_store):
     return stack_pos, stack_slot, jnp.sum(held).astype(jnp.int32)
 
 
-def _backward(
-    body: Body,
-    slots,
-    consts,
-    init,
-    hidden,
-    n,
-    stack_pos,
-    stack_slot,
-    depth,
-    ct_c,
-    ct_b=(),
-    buf_float=(),
-    write_spec=(),
-):
-    """Back-propagates steps n-1 .. 0 by the binomial recursion over the kept stack.
-
-    The slot buffers are only read outside conditionals and written unconditionally (the
-    pushes happen in a loop of their own), so XLA updates them in place (see
-    `memento.loops._interpreter.run_backward`).
-    """
-    kf, _ = split(consts, body.const_mask)
-    num_slots = slots - 1
-
-    # Free physical slots, as a stack: ``free[:fp]``. Found once (O(slots)); then a push
-    # takes the top and a pop gives its slot back, O(1) each. (A search over the slots at
-    # every push made 64 slots slower than 32 on a small body: issue 12.)
-    ids = jnp.arange(num_slots, dtype=jnp.int32)
-    target = jnp.where(ids + 1 <= depth, stack_slot[1:], num_slots)
-    in_use = jnp.zeros(num_slots + 1, jnp.bool_).at[target].set(True)[:num_slots]
-    free = jnp.argsort(in_use, stable=True).astype(jnp.int32)  # free slots first
-    fp = (num_slots - depth).astype(jnp.int32)
-
-    def push_cond(state):
-        e, _hidden, stack_pos, _stack_slot, depth, _free, _fp = state
-        t = e - stack_pos[depth] + 1
-        # e >= 0: under vmap a member that is done keeps running this loop (its results
-        # discarded) until the last member is; it must not push.
-        return (e >= 0) & (t >= 2) & (slots - depth >= 2)
-
-    def push(state):
-        e, hidden, stack_pos, stack_slot, depth, free, fp = state
-        b = stack_pos[depth]
-        y = hsm_split_device(e - b + 1, slots - depth)
-        c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
-        c = advance_steps(body, consts, c, [], b, y)
-        fp = fp - 1
-        j = free[fp]  # there is one: slots - depth >= 2
-        hidden = _write(hidden, j, c, body.carry_avals)
-        depth = depth + 1
-        stack_pos = stack_pos.at[depth].set(b + y)
-        stack_slot = stack_slot.at[depth].set(j)
-        return e, hidden, stack_pos, stack_slot, depth, free, fp
-
-    def buffer_cts(ys, ct_b):
-        """Each float write's cotangent, read from its buffer's (then zeroed there)."""
-        ct_y, k = [], 0
-        ct_b = list(ct_b)
-        where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
-        for j, n_idx in write_spec:
-            index = tuple(ys[k : k + n_idx])
-            if buf_float[j]:
-                f = int(where[j])
-                if body.y_mask[k + n_idx]:  # the value written is differentiated
-                    ct_y.append(ct_b[f][index])
-                ct_b[f] = ct_b[f].at[index].set(0)
-            k += n_idx + 1
-        return ct_y, ct_b
-
-    def step(state):
-        e, hidden, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, ct_b = state
-        # Pop the carry whose step was the last back-propagated; its slot is free again.
-        popped = (stack_pos[depth] > e) & (depth > 0)
-        if num_slots:
-            top = jnp.minimum(fp, num_slots - 1)
-            free = free.at[top].set(jnp.where(popped, stack_slot[depth], free[top]))
-            fp = fp + popped.astype(jnp.int32)
-        depth = jnp.where(popped, depth - 1, depth)
-        if num_slots:
-            _, hidden, stack_pos, stack_slot, depth, free, fp = lax.while_loop(
-                push_cond, push, (e, hidden, stack_pos, stack_slot, depth, free, fp)
-            )
-        b = stack_pos[depth]
-        c = load_hidden(hidden, init, stack_slot[depth], body.carry_avals)
-        c = advance_steps(body, consts, c, [], b, e - b)
-        _, ys, pullback = body.linearize(consts, c, [])
-        ct_y, ct_b = buffer_cts(ys, ct_b)
-        d_k, ct_c, _ = apply_pullback(pullback, ct_c, ct_y)
-        ct_k = [a + d for a, d in zip(ct_k, d_k)]
-        return e - 1, hidden, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, ct_b
-
-    state = (
-        n - 1,
-        hidden,
-        stack_pos,
-        stack_slot,
-        depth,
-        free,
-        fp,
-        list(ct_c),
-        [jnp.zeros_like(k) for k in kf],
-        list(ct_b),
-    )
-    state = lax.while_loop(lambda s: s[0] >= 0, step, state)
-    return state[8], state[7], state[9]
+def _buffer_cts(body: Body, buf_float, write_spec, e, ys, ct_b):
+    """Each float write's cotangent, read from its buffer's (then zeroed there)."""
+    ct_y, k = [], 0
+    ct_b = list(ct_b)
+    where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
+    for j, n_idx in write_spec:
+        index = tuple(ys[k : k + n_idx])
+        if buf_float[j]:
+            f = int(where[j])
+            if body.y_mask[k + n_idx]:  # the value written is differentiated
+                ct_y.append(ct_b[f][index])
+            ct_b[f] = ct_b[f].at[index].set(0)
+        k += n_idx + 1
+    return ct_y, ct_b

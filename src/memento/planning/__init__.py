@@ -17,6 +17,7 @@ from ._baselines import store_all as store_all
 from ._baselines import store_none as store_none
 from ._chain import plan_chain as plan_chain
 from ._closed import hsm_cost as hsm_cost
+from ._closed import hsm_split as hsm_split
 from ._closed import ism_cost as ism_cost
 from ._dp import cost_table as cost_table
 from ._dp import plan as plan
