@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import memento
-from memento.loops._recursion import hsm_split_device
+from memento.loops._recursion import hsm_splitter
 from memento.planning import _online
 from memento.planning._closed import hsm_cost, hsm_split
 
@@ -148,8 +148,9 @@ def test_byte_budget_and_closure_over_pytree():
         assert_close(grad(p, h0, memory), ref)
 
 
-def test_device_split_equals_closed_form():
-    f = jax.jit(hsm_split_device)
+@pytest.mark.parametrize("max_t", [1_000_000, (1 << 31) - 1])
+def test_device_split_equals_closed_form(max_t):
+    f = jax.jit(hsm_splitter(128, max_t))
     for m in [2, 3, 4, 5, 8, 17, 30, 128]:
         for t in [2, 3, 4, 5, 9, 10, 44, 45, 46, 100, 1000, 4567, 99_999, 1_000_000]:
             assert int(f(jnp.int32(t), jnp.int32(m))) == hsm_split(t, m), (t, m)

@@ -1,24 +1,28 @@
 """The binomial (HSM) recursion run on the device, shared by `scan` and `while_loop`.
 
-Carries are kept in per-leaf stacks of slots (a leading slot axis, each leaf its own shape,
-dtype and sharding). The kept carries, in position order, form a stack with ``h_0`` (the
-caller's, slot -1) at the bottom. To back-propagate step e, look at the top of the stack,
-``h_b`` with ``m = slots - depth`` slots for itself and what is above; while
-``t = e - b + 1 >= 3`` and ``m >= 2``, advance ``y = hsm_split(t, m)`` steps from ``h_b``
-and push ``h_{b+y}`` (at ``t = 2`` a push saves no evaluation, so none is made). Then advance to ``h_e`` and back-propagate step e fused; a carry is
-popped once its own step has been. This is Griewank and Walther's binomial recursion (the
-paper's HSM, eq. (1)-(3)) unrolled one push at a time, with the split computed on the
-device from its closed form (`memento.planning.hsm_split`). Nothing here grows with the
-number of steps: no schedule rows are materialised, the state is O(slots).
+Carries are kept in per-leaf stacks of slots (flat on one device; with a leading slot
+axis, each leaf its own shape and sharding, when the program may span several). The
+kept carries, in position order, form a stack with ``h_0`` (the caller's) at the bottom.
+To back-propagate step e, look at the top of the stack, ``h_b`` with ``m = slots -
+depth`` slots for itself and what is above; while ``t = e - b + 1 >= 3`` and ``m >= 2``,
+advance ``y = hsm_split(t, m)`` steps from ``h_b`` and push ``h_{b+y}`` (at ``t = 2`` a
+push saves no evaluation, so none is made). Then advance to ``h_e`` and back-propagate
+step e fused; a carry is popped once its own step has been. This is Griewank and
+Walther's binomial recursion (the paper's HSM, eq. (1)-(3)) unrolled one push at a time,
+with the split computed on the device from its closed form (`memento.planning.hsm_split`,
+here from a table of binomials). No schedule rows are materialised: the state is
+O(slots), the table O(sqrt(steps)).
 
 `memento.while_loop` fills the stack online in its forward pass (n is unknown until the
 predicate fails); `memento.scan` with the HSM policy fills it with the recursion's own
-first pushes (`first_pushes`), so that its forward and backward together make exactly the
-optimal HSM schedule's ``hsm_cost(t, m)`` evaluations.
+first pushes (`first_pushes`, the planner's first sweep), so that its forward and
+backward passes together make exactly the optimal ``hsm_cost(t, m)`` evaluations.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -33,47 +37,57 @@ from ._interpreter import advance_steps, apply_pullback, x_at
 _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
 
-def _comb(n, k):
-    """``binom(n, k)`` saturated at ``_SAT`` (int32 scalars, n >= 0; 0 for k < 0 or k > n)."""
-    k = jnp.minimum(k, n - k)
+@functools.lru_cache(maxsize=32)
+def _binomials(slots: int, max_t: int) -> tuple[np.ndarray, np.ndarray]:
+    """``B(m, w) = binom(m + w, w)`` for ``1 <= m <= slots``, as far as splits of up to
+    ``max_t`` steps look: a flat int32 table (saturated at ``_SAT``) and row offsets.
 
-    def body(i, v):
-        f = n - k + i
-        # v = binom(n-k+i-1, i-1); v * f / i is exact; saturation is sticky because the
-        # remaining factors f / i are >= 1.
-        big = v > _SAT // f
-        return jnp.where(big, _SAT, jnp.minimum(v * f // i, _SAT))
+    Row m (m >= 2) runs to the level ``W(m)``, the smallest w with ``B(m, w) >= max_t``;
+    row 1 to ``W(2)``, for the lookups ``B(m - 1, w - 1)`` from row 2. About
+    ``sqrt(2 max_t)`` entries in all (row 2 dominates): 1.4 thousand at 10^6 steps.
+    """
+    level_2 = 1
+    while (level_2 + 1) * (level_2 + 2) // 2 < max_t:  # W(2): B(2, w) = (w+1)(w+2)/2
+        level_2 += 1
+    rows = [list(range(1, level_2 + 2))]  # B(1, w) = w + 1, w = 0..W(2)
+    for m in range(2, slots + 1):
+        row = [1]
+        while row[-1] < max_t:
+            w = len(row)
+            row.append(min(row[-1] * (m + w) // w, _SAT))
+        rows.append(row)
+    offsets = np.cumsum([0, 0, *[len(r) for r in rows]])[:-1]  # offsets[m] for m = 0..slots
+    table = np.concatenate([np.asarray(r, np.int64) for r in rows]).clip(max=_SAT)
+    return table.astype(np.int32), offsets.astype(np.int32)
 
-    v = lax.fori_loop(1, jnp.maximum(k, 0) + 1, body, jnp.int32(1))
-    return jnp.where(k < 0, 0, v)
 
-
-def hsm_split_device(t, m):
-    """`memento.planning.hsm_split` (high=True) on int32 scalars; t >= 2, m >= 2.
+def hsm_splitter(slots: int, max_t: int) -> Callable:
+    """`memento.planning.hsm_split` (high=True) on int32 scalars, for ``2 <= t <= max_t``
+    and ``2 <= m <= slots``, from a table of binomials (`_binomials`).
 
     The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
-    with ``binom(m + w, w) - 2 >= s`` (found by stepping w up, the binomial updated in
-    place), then the split takes every increment below level w and the ties from g first.
+    with ``B(m, w) >= t`` (a search from w = 1, short but for the smallest m), then the
+    split takes every increment below level w and the ties from g first. Three table
+    reads and a few integer ops: the recursion runs it once per push, inside loops that
+    XLA:CPU compiles as one kernel only while small (see `backward`).
     """
-    s = t - 2
+    table, offsets = _binomials(max(slots, 2), max(max_t, 3))
 
-    def cond(state):
-        _w, v = state
-        return v - 2 < s
+    def split(t, m):
+        tab, off = jnp.asarray(table), jnp.asarray(offsets)
 
-    def step(state):
-        w, v = state
-        w = w + 1
-        f = m + w
-        return w, jnp.where(v > _SAT // f, _SAT, jnp.minimum(v * f // w, _SAT))
+        def b(m, w):  # binom(m + w, w), w >= 0
+            return tab[off[m] + w]
 
-    w, _ = lax.while_loop(cond, step, (jnp.int32(1), m + 1))  # binom(m + 1, 1)
-    base_g = jnp.where(w >= 2, _comb(m + w - 2, w - 2) - 1, 0)
-    h_level = _comb(m + w - 2, w - 1)
-    base_h = h_level - 1
-    n_g = jnp.where(w >= 2, h_level, 0)
-    split_ = base_g + jnp.minimum(s - base_g - base_h, n_g)
-    return 1 + jnp.where(s <= 0, 0, split_)
+        s = t - 2
+        w = lax.while_loop(lambda w: b(m, w) < t, lambda w: w + 1, jnp.int32(1))
+        base_g = jnp.where(w >= 2, b(m, jnp.maximum(w - 2, 0)) - 1, 0)
+        h_level = b(m - 1, w - 1)  # binom(m + w - 2, w - 1)
+        n_g = jnp.where(w >= 2, h_level, 0)
+        taken = base_g + jnp.minimum(s - base_g - (h_level - 1), n_g)
+        return 1 + jnp.where(s <= 0, 0, taken)
+
+    return split
 
 
 def first_pushes(num_steps: int, slots: int) -> list[int]:
@@ -95,7 +109,33 @@ def first_pushes(num_steps: int, slots: int) -> list[int]:
 
 
 def allocate(avals, num_slots: int) -> list:
-    return [_pool.stack_of(a, num_slots) for a in avals]
+    """Zeroed slot stacks: ``(num_slots, *shape)`` per leaf when the program may be
+    partitioned over devices (a stored leaf keeps its sharding), else flat
+    ``(num_slots * size,)``. Flat, a slot write is an update XLA:CPU's cost model prices
+    at its own size, not the stack's; it runs a loop as one compiled kernel only while an
+    iteration accesses under 1 KiB (the thunk runtime's small-while-loop threshold), and
+    a shaped stack of over 512 bytes made every backward step pay ~1.3 us of dispatch.
+    """
+    if _pool.keep_shapes():
+        return [_pool.stack_of(a, num_slots) for a in avals]
+    out = []
+    for a in avals:
+        s = _pool.storage_aval(a)
+        out.append(_pool.zeros((num_slots * math.prod(s.shape),), s.dtype, _pool.varying(a)))
+    return out
+
+
+def _shape(stack, aval) -> tuple[tuple, int]:
+    """The stored shape of a slot of ``stack`` and its size when flat, else 0."""
+    shape = tuple(_pool.storage_aval(aval).shape)
+    return shape, (0 if stack.ndim == 1 + len(shape) else math.prod(shape))
+
+
+def _get(stack, index, aval):
+    shape, size = _shape(stack, aval)
+    if not size:
+        return lax.dynamic_index_in_dim(stack, index, 0, keepdims=False)
+    return lax.dynamic_slice_in_dim(stack, index * size, size).reshape(shape)
 
 
 def write(stacks, index, values, avals, when=None) -> list:
@@ -103,10 +143,14 @@ def write(stacks, index, values, avals, when=None) -> list:
     index = jnp.maximum(index, 0)
     out = []
     for b, v, a in zip(stacks, values, avals):
-        v = _pool.to_storage(v, a)
+        v = _pool.to_storage(v, a).astype(b.dtype)
         if when is not None:
-            v = jnp.where(when, v, b[index])
-        out.append(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), index, 0))
+            v = jnp.where(when, v, _get(b, index, a))
+        _, size = _shape(b, a)
+        if size:
+            out.append(lax.dynamic_update_slice_in_dim(b, v.reshape(-1), index * size, 0))
+        else:
+            out.append(lax.dynamic_update_index_in_dim(b, v, index, 0))
     return out
 
 
@@ -116,10 +160,10 @@ def load_hidden(stacks, init, slot, avals) -> list:
     Reads the stacks outside any conditional (see `backward`): a ``where`` picks (on the
     stored form: keys as key data).
     """
-    if not stacks or stacks[0].shape[0] == 0:  # no slots: h_0 is the only carry kept
+    if not stacks or stacks[0].size == 0:  # no slots: h_0 is the only carry kept
         return list(init)
     index = jnp.maximum(slot, 0)
-    stored = [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in stacks]
+    stored = [_get(b, index, a) for b, a in zip(stacks, avals)]
     return [
         _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
@@ -135,16 +179,27 @@ def _set(a, i, v):
     return lax.dynamic_update_index_in_dim(a, jnp.asarray(v, a.dtype), i, 0)
 
 
+def reorder(stacks, order, avals) -> list:
+    """The stacks with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
+    out = []
+    for b, a in zip(stacks, avals):
+        _, size = _shape(b, a)
+        rows = b.reshape(-1, size) if size else b
+        rows = jnp.take(rows, order, axis=0, mode="clip")
+        out.append(rows.reshape(-1) if size else rows)
+    return out
+
+
 def backward(
     body: Body,
     slots: int,
+    max_t: int,
     consts,
     init,
     xs,
     stacks,
     last,
     stack_pos,
-    stack_slot,
     depth,
     ct_c,
     ct_k,
@@ -157,10 +212,12 @@ def backward(
     Args:
         body: the step, already restricted to what is differentiated.
         slots: the budget in carries, ``h_0`` included (the stacks hold ``slots - 1``).
+        max_t: a bound on the steps (``last + 2``), for the table of splits.
         consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none).
-        stacks: the slot stacks; ``stack_pos[d]``, ``stack_slot[d]`` (``d <= depth``) the
-            kept carries in position order (``stack_pos[0] = 0``, ``stack_slot[0] = -1``;
-            int32 arrays of length ``slots``). A carry above step ``last`` is popped.
+        stacks: the slot stacks, slot ``d - 1`` holding the carry at stack depth ``d``,
+            ``1 <= d <= depth`` (depth 0 is ``h_0``, the caller's); ``stack_pos[d]`` its
+            position (an int32 array of length ``slots``, ``stack_pos[0] = 0``). A carry
+            above step ``last`` is popped.
         last: the first step to back-propagate (a traced or static int; -1: none).
         ct_c, ct_k: cotangents of the carry ``h_{last+1}`` and accumulated ones of the
             float consts.
@@ -171,68 +228,65 @@ def backward(
     Returns:
         ``(ct_k, ct_init, aux)``.
 
-    The slot stacks are only read outside conditionals and written unconditionally (the
-    pushes happen in a loop of their own), so XLA updates them in place (see
-    `memento.loops._interpreter.run_backward`).
+    Each step pops, then walks from the top of the stack ``h_b`` to ``h_e`` in
+    segments: from push to push (each computed from the last, written once) and on to
+    ``h_e``. Slot d - 1 holds depth d (pushes and pops are last in, first out), so no
+    free list is kept. The stacks are read outside conditionals and written by masked
+    updates, so XLA updates them in place (see `memento.loops._interpreter.run_backward`).
+
+    On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time at about
+    0.3 us each, only while one iteration's cost model accesses under 1 KiB and holds no
+    sort or scatter. The loop is kept that small: splits come from a table (three
+    reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
+    4-float carry) then runs as one kernel at any budget.
     """
-    num_slots = slots - 1
+    never = jnp.int32(np.iinfo(np.int32).max)
+    split = hsm_splitter(slots, max_t)
 
-    # Free physical slots, as a stack: ``free[:fp]``. Found once (O(slots)); then a push
-    # takes the top and a pop gives its slot back, O(1) each. (A search over the slots at
-    # every push made 64 slots slower than 32 on a small body: issue 12.)
-    ids = jnp.arange(num_slots, dtype=jnp.int32)
-    target = jnp.where(ids + 1 <= depth, stack_slot[1:], num_slots)
-    in_use = jnp.zeros(num_slots + 1, jnp.bool_).at[target].set(True)[:num_slots]
-    free = jnp.argsort(in_use, stable=True).astype(jnp.int32)  # free slots first
-    fp = (num_slots - depth).astype(jnp.int32)
-
-    def push_cond(state):
-        e, _stacks, stack_pos, _stack_slot, depth, _free, _fp = state
-        t = e - stack_pos[depth] + 1
-        # e >= 0: under vmap a member that is done keeps running this loop (its results
-        # discarded) until the last member is; it must not push.
-        return (e >= 0) & (t >= 3) & (slots - depth >= 2)
-
-    def push(state):
-        e, stacks, stack_pos, stack_slot, depth, free, fp = state
-        b = stack_pos[depth]
-        y = hsm_split_device(e - b + 1, slots - depth)
-        c = load_hidden(stacks, init, stack_slot[depth], body.carry_avals)
-        c = advance_steps(body, consts, c, xs, b, y)
-        fp = fp - 1
-        j = free[fp]  # there is one: slots - depth >= 2
-        stacks = write(stacks, j, c, body.carry_avals)
-        depth = depth + 1
-        stack_pos = _set(stack_pos, depth, b + y)
-        stack_slot = _set(stack_slot, depth, j)
-        return e, stacks, stack_pos, stack_slot, depth, free, fp
+    def next_push(e, p, depth):
+        # Where the recursion pushes next from h_p with the stack at ``depth``: only while
+        # three or more steps remain (at two a push saves no evaluation) and a slot is
+        # free. Before step e, e >= 0: under vmap a member that is done keeps running
+        # (its results discarded) until the last member is; it must not push.
+        ok = (e >= 0) & (e - p + 1 >= 3) & (slots - depth >= 2)
+        # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
+        y = split(jnp.where(ok, e - p + 1, 3), jnp.where(ok, slots - depth, 2))
+        return jnp.where(ok, p + y, never)
 
     def step(state):
-        e, stacks, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, aux = state
-        # Pop the carry whose step was the last back-propagated; its slot is free again.
-        popped = (stack_pos[depth] > e) & (depth > 0)
-        if num_slots:
-            top = jnp.minimum(fp, num_slots - 1)
-            free = _set(free, top, jnp.where(popped, stack_slot[depth], free[top]))
-            fp = fp + popped.astype(jnp.int32)
-        depth = jnp.where(popped, depth - 1, depth)
-        if num_slots:
-            _, stacks, stack_pos, stack_slot, depth, free, fp = lax.while_loop(
-                push_cond, push, (e, stacks, stack_pos, stack_slot, depth, free, fp)
-            )
+        e, stacks, stack_pos, depth, ct_c, ct_k, aux = state
+        # Pop the carry whose step was the last back-propagated.
+        depth = depth - ((stack_pos[depth] > e) & (depth > 0)).astype(jnp.int32)
         b = stack_pos[depth]
-        c = load_hidden(stacks, init, stack_slot[depth], body.carry_avals)
-        c = advance_steps(body, consts, c, xs, b, e - b)
+        c = load_hidden(stacks, init, depth - 1, body.carry_avals)
+        if slots > 1:
+            # Advance from push to push, writing each, then on to h_e: one loop.
+            def segment(state):
+                c, stacks, stack_pos, depth, p, _ = state
+                q = next_push(e, p, depth)
+                to = jnp.minimum(q, e)
+                c = advance_steps(body, consts, c, xs, p, to - p)
+                push = q < e
+                stacks = write(stacks, depth, c, body.carry_avals, push)  # at depth + 1
+                stack_pos = _set(stack_pos, depth + 1, jnp.where(push, q, stack_pos[depth + 1]))
+                return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
+
+            state = (c, stacks, stack_pos, depth, b, jnp.bool_(True))
+            c, stacks, stack_pos, depth, _, _ = lax.while_loop(
+                lambda s: s[5] & (s[4] < e), segment, state
+            )
+        else:
+            c = advance_steps(body, consts, c, xs, b, e - b)
         _, ys, pullback = body.linearize(consts, c, x_at(xs, e))
         ct_y, aux = take_cts(e, ys, aux)
         d_k, ct_c, d_x = apply_pullback(pullback, ct_c, ct_y)
         aux = give_cts(e, d_x, aux)
         ct_k = [a + d for a, d in zip(ct_k, d_k)]
-        return e - 1, stacks, stack_pos, stack_slot, depth, free, fp, ct_c, ct_k, aux
+        return e - 1, stacks, stack_pos, depth, ct_c, ct_k, aux
 
-    state = (last, stacks, stack_pos, stack_slot, depth, free, fp, list(ct_c), list(ct_k), aux)
+    state = (last, stacks, stack_pos, depth, list(ct_c), list(ct_k), aux)
     state = lax.while_loop(lambda s: s[0] >= 0, step, state)
-    return state[8], state[7], state[9]
+    return state[5], state[4], state[6]
 
 
 # ----------------------------------------------------------------------------------------
@@ -290,11 +344,9 @@ def scan_backward(
     ct_k, ct_c, d_x = apply_pullback(pullback, ct_c, [y[t - 1] for y in ct_ys])
     ct_xs = give_cts(t - 1, d_x, [jnp.zeros_like(x) for x in xs_f])
     stack_pos = np.zeros(slots, np.int32)
-    stack_slot = np.full(slots, -1, np.int32)
-    stack_pos[1 : len(pushes) + 1] = pushes
-    stack_slot[1 : len(pushes) + 1] = np.arange(len(pushes))
+    stack_pos[1 : len(pushes) + 1] = pushes  # pushed in order: slot j holds the j-th
     ct_k, ct_init, ct_xs = backward(
-        body, slots, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
-        jnp.asarray(stack_slot), jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts,
+        body, slots, t, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
+        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts,
     )  # fmt: skip
     return ct_k, ct_init, ct_xs

@@ -373,6 +373,7 @@ def _differentiable_run(
     row_pos = events.pos.astype(np.int32)
     row_slot = events.slot.astype(np.int32)
     row_store = events.store
+    max_t = (steps if steps is not None else _online.DEFAULT_CAP) + 1
 
     def cond(cond_consts, c, bufs):
         full = _merge_buffers(c, bufs, is_buffer)
@@ -436,8 +437,10 @@ def _differentiable_run(
         def give_cts(e, d_x, ct_b):
             return ct_b
 
+        # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
+        hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
         ct_k, ct_init, ct_b = _recursion.backward(
-            b, slots, consts, init, [], hidden, n - 1, stack_pos, stack_slot, depth, ct_c,
+            b, slots, max_t, consts, init, [], hidden, n - 1, stack_pos, depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
         )  # fmt: skip
