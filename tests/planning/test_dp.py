@@ -7,12 +7,18 @@ from math import comb
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import memento
-from memento.planning import Op, _closed, cost_table, plan, revolve_cost, simulate
-from memento.planning import _reference as ref
+from memento.planning import (
+    Op,
+    _closed,
+    _reference as ref,
+    cost_table,
+    plan,
+    revolve_cost,
+    simulate,
+)
 
 MSM_PARAMS = [(1, 1), (2, 1), (2, 2), (3, 2), (5, 4), (5, 5), (4, 1)]
 

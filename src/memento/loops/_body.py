@@ -21,13 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import core as jax_core
-from jax import lax
+from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
-from ._pool import from_storage
-from ._pool import nbytes as nbytes
+from ._pool import from_storage, nbytes as nbytes
 
 Leaves = list[Any]
 

@@ -29,8 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import core as jax_core
-from jax import lax
+from jax import core as jax_core, lax
 
 from ..planning import _online
 from . import _pool

@@ -7,32 +7,25 @@ takes for MSM. Baselines, flat in this namespace and in ``memento``, each a repl
 any schedule's memory saved and predicted time.
 """
 
-from ._baselines import BpttComparison as BpttComparison
-from ._baselines import chen_recursive as chen_recursive
-from ._baselines import chen_sqrt as chen_sqrt
-from ._baselines import compare_to_bptt as compare_to_bptt
-from ._baselines import revolve as revolve
-from ._baselines import revolve_cost as revolve_cost
-from ._baselines import store_all as store_all
-from ._baselines import store_none as store_none
+from ._baselines import (
+    BpttComparison as BpttComparison,
+    chen_recursive as chen_recursive,
+    chen_sqrt as chen_sqrt,
+    compare_to_bptt as compare_to_bptt,
+    revolve as revolve,
+    revolve_cost as revolve_cost,
+    store_all as store_all,
+    store_none as store_none,
+)
 from ._chain import plan_chain as plan_chain
-from ._closed import hsm_cost as hsm_cost
-from ._closed import ism_cost as ism_cost
-from ._dp import cost_table as cost_table
-from ._dp import plan as plan
-from ._dp import plan_estimate as plan_estimate
+from ._closed import hsm_cost as hsm_cost, ism_cost as ism_cost
+from ._dp import cost_table as cost_table, plan as plan, plan_estimate as plan_estimate
 from ._msm import msm_estimate_s as msm_estimate_s
 from ._schedule import (
     Op as Op,
-)
-from ._schedule import (
     Schedule as Schedule,
-)
-from ._schedule import (
     ScheduleError as ScheduleError,
-)
-from ._schedule import (
     SimulationResult as SimulationResult,
+    simulate as simulate,
+    stack_depths as stack_depths,
 )
-from ._schedule import simulate as simulate
-from ._schedule import stack_depths as stack_depths
