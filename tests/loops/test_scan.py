@@ -304,7 +304,11 @@ def test_temp_memory_follows_budget_not_steps():
             ValueError,
             "cannot hold even one carry of 24 bytes; the minimum is 24 bytes",
         ),
-        ({"memory": 2, "policy": "fast"}, ValueError, "policy must be one of"),
+        (
+            {"memory": 2, "policy": "fast"},
+            ValueError,
+            "memento.scan: unknown policy 'fast'; pass one of 'auto'",
+        ),
         ({"memory": 1, "policy": "ism"}, ValueError, "needs room for one internal state"),
     ],
 )

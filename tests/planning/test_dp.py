@@ -283,7 +283,7 @@ def test_repr_and_counts():
         ((10.5, 4), {}, TypeError, r"num_steps must be an int, got 10\.5 \(float\)"),
         ((True, 4), {}, TypeError, r"num_steps must be an int, got True \(bool\)"),
         ((10, "4"), {}, TypeError, r"memory must be an int, got '4'"),
-        ((10, 4), {"policy": "abc"}, ValueError, r"unknown policy 'abc'; pass one of 'hsm'"),
+        ((10, 4), {"policy": "abc"}, ValueError, r"unknown policy 'abc'; pass one of 'auto'"),
         ((10, 4), {"alpha": 2}, ValueError, r"alpha/beta .* apply to policy='ism' or 'msm'"),
         ((10, 4), {"policy": "msm"}, ValueError, r"policy='msm' needs alpha"),
         ((10, 4), {"policy": "msm", "alpha": 0}, ValueError, r"alpha must be >= 1, got 0"),

@@ -6,15 +6,9 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Literal
-
-import numpy as np
 
 from .. import planning
-from ..planning import Schedule, msm_estimate_s
-
-Policy = Literal["auto", "hsm", "ism", "msm"]
-POLICIES = ("auto", "hsm", "ism", "msm")
+from ..planning import Policy, Schedule
 
 _UNITS = {
     "": 1, "b": 1,
@@ -95,66 +89,21 @@ def internal_slots(residual_bytes: int, carry_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(num_steps: int, memory: int, policy: str, alpha: int | None) -> Schedule:
-    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)  # pyright: ignore[reportArgumentType]
+def _plan(num_steps: int, memory: int, policy: Policy, alpha: int | None) -> Schedule:
+    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)
 
 
-# "auto" skips MSM when its exact table is estimated to take longer than this to plan:
-# HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
-_MSM_AUTO_SECONDS = 1.0
-
-
-def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> Schedule:
+def choose_schedule(
+    num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str
+) -> Schedule:
     """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
-    ``"auto"`` takes the fastest of HSM, ISM and MSM by `predicted_work`. All three fit
-    the budget exactly: the executor stores every state in one stack-allocated pool.
+    `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"{name}: policy must be one of {POLICIES}, got {policy!r}.")
-    if policy == "hsm":
-        return _plan(num_steps, slots, "hsm", None)
-    if policy == "ism":
-        if slots < alpha:
-            raise ValueError(
-                f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
-                f"(measured from the body's residuals); got {slots}. Raise memory or use "
-                "policy='hsm' or 'auto'."
-            )
-        return _plan(num_steps, slots, "ism", alpha)
-    if policy == "msm":
-        return _plan(num_steps, slots, "msm", alpha)
-    # HSM and ISM are priced from their closed forms before any row is emitted (ISM
-    # stores every step's internal state once: t saves), so only the winner is unrolled.
-    # MSM, when cheap enough to plan, is planned and priced from its rows.
-    hsm_work = float(planning.hsm_cost(num_steps, slots))
-    ism_work = (
-        planning.ism_cost(num_steps, slots // alpha) + INTERNAL_STATE_CHARGE * num_steps
-        if slots >= alpha
-        else math.inf
-    )
-    best = _plan(num_steps, slots, "hsm", None) if hsm_work <= ism_work else None
-    if best is None:
-        best = _plan(num_steps, slots, "ism", alpha)
-    if alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS:
-        msm = _plan(num_steps, slots, "msm", alpha)
-        best = min([best, msm], key=lambda s: (predicted_work(s), s.peak_memory))
-    return best
-
-
-# What "auto" charges for storing one internal state, in forward evaluations. Measured
-# (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a step's
-# residuals to the word pool and reading them back costs about 0.15 of a forward.
-INTERNAL_STATE_CHARGE = 0.25
-
-
-def predicted_work(schedule: Schedule) -> float:
-    """Forward evaluations plus `INTERNAL_STATE_CHARGE` per internal state stored.
-
-    The paper counts forward evaluations only; "auto" minimises this instead, so that a
-    plan storing internal states must save more than their memory traffic. With a byte
-    pool the charge was about one forward (bitcasts that add a byte axis are not free in
-    XLA:CPU) and MSM never won; with the word pool it is a fraction (see `_pool`).
-    """
-    saves = int(np.count_nonzero(schedule.actions[:, 0] == planning.Op.SAVE_INTERNAL))
-    return schedule.cost + INTERNAL_STATE_CHARGE * saves
+    if policy == "ism" and slots < alpha:
+        raise ValueError(
+            f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
+            f"(measured from the body's residuals); got {slots}. Raise memory or use "
+            "policy='hsm' or 'auto'."
+        )
+    return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Schedule
+from ..planning import Policy, Schedule, check_policy
 from ._body import (
     Body,
     Static,
@@ -21,7 +21,7 @@ from ._body import (
     nbytes,
     refuse_reverse_over_reverse,
 )
-from ._budget import Bytes, Policy, choose_schedule, internal_slots, parse_memory, to_slots
+from ._budget import Bytes, choose_schedule, internal_slots, parse_memory, to_slots
 from ._interpreter import Program, compile_schedule, pool_bytes, run_backward, run_sweep
 
 _NAME = "memento.scan"
@@ -87,10 +87,7 @@ def scan(
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
     """
-    if policy not in ("auto", "hsm", "ism", "msm"):
-        raise ValueError(
-            f"{_NAME}: policy must be one of 'auto', 'hsm', 'ism', 'msm'; got {policy!r}."
-        )
+    policy = check_policy(_NAME, policy)
     if memory is None:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
     budget = parse_memory(memory, name=_NAME)
@@ -156,7 +153,7 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule, schedule.memory + 1)
 
 
-def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
+def _plan(body: Body, *, num_steps: int, slots: int, policy: Policy):
     """The residuals, schedule and program for a body differentiated as ``body`` says.
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are

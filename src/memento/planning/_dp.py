@@ -28,18 +28,15 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable
-from typing import Literal, cast
 
 import numpy as np
 
+from ._auto import Policy, auto_uses_msm, check_policy, plan_auto
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
 from ._schedule import Op, Schedule, count_peak
 
 __all__ = ["cost_table", "plan", "plan_estimate"]
-
-Policy = Literal["hsm", "ism", "msm"]
-_POLICIES = ("hsm", "ism", "msm")
 
 _MSM_BUDGET_S = 120.0  # refuse work (MSM tables, rows, cost tables) estimated longer
 _MSM_BUDGET_BYTES = 4 * 2**30  # or larger than this (MSM tables: C, H, D, 13 B per cell)
@@ -81,12 +78,7 @@ def _int(fn: str, name: str, value, hint: str) -> int:
 
 def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, Policy, int, int]:
     """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
-    if not isinstance(policy, str) or policy not in _POLICIES:
-        raise ValueError(
-            f"{fn}: unknown policy {policy!r}; pass one of 'hsm' (hidden states), "
-            "'ism' (internal states) or 'msm' (mixed, needs alpha)"
-        )
-    policy = cast(Policy, policy)
+    policy = check_policy(fn, policy)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
     m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
     if t < 1:
@@ -115,6 +107,16 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
                 f"{fn}: memory={m} is below policy='ism''s minimum of one internal state "
                 f"(alpha={a} slots); pass memory >= {a}"
             )
+        return t, m, policy, a, a
+    if policy == "auto":
+        if beta is not None:
+            raise ValueError(
+                f"{fn}: beta={beta!r} applies to policy='msm' only; 'auto' plans MSM with "
+                "beta = alpha, as memento.scan does; drop beta or pass policy='msm'"
+            )
+        a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
+        if a < 1:
+            raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
         return t, m, policy, a, a
     if alpha is None:
         raise ValueError(
@@ -156,7 +158,8 @@ def plan_estimate(
     A model fitted on 2 shared CPU cores (`benchmarks/long.py` re-measures it): about
     1.2 us and 200 B per step to unroll the rows, plus the exact table's time and
     13 B per cell for MSM with alpha >= 2 (`msm_estimate_s`). `plan` refuses, before
-    doing any work, what is estimated above two minutes or 4 GiB.
+    doing any work, what is estimated above two minutes or 4 GiB. ``policy="auto"``
+    counts the rows of two plans and MSM's table when it plans MSM.
 
     Returns:
         ``(seconds, bytes)``.
@@ -170,6 +173,9 @@ def plan_estimate(
 def _estimate(t: int, m: int, policy: str, alpha: int, beta: int) -> tuple[float, int]:
     seconds = _S_PER_STEP * t
     nbytes = _PEAK_BYTES_PER_ROW * _ROWS_PER_STEP * t
+    if policy == "auto" and auto_uses_msm(t, m, alpha):  # HSM or ISM, then MSM
+        seconds *= 2
+        policy = "msm"
     if policy == "msm" and alpha > 1:
         m_eff = min(m, 1 + (t - 1) * alpha)
         seconds += msm_estimate_s(t, m_eff, alpha, beta)
@@ -418,7 +424,9 @@ def plan(
     included), under the memory budget, by the dynamic programs of Gruslys et al. (2016).
     Pick ``"hsm"`` when only the carry is cheap to keep, ``"msm"`` when the step's
     residuals are at most ``alpha`` times the carry (it is never worse than HSM), and
-    ``"ism"`` to reproduce the paper's internal-state model.
+    ``"ism"`` to reproduce the paper's internal-state model. ``"auto"`` is what
+    `memento.scan` runs: of the three, the plan with the least predicted work (forward
+    evaluations plus a small charge per internal state stored, `predicted_work`).
 
     Args:
         num_steps: t, the number of steps (>= 1).
@@ -427,9 +435,12 @@ def plan(
             internal-state slots and ``h_0`` is free, as in the paper's section 3.2.
         policy: ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
             ``"ism"`` (section 3.2: internal states only, C(t,m) = t for m >= t) or
-            ``"msm"`` (sections 3.3-3.4: either, per push).
+            ``"msm"`` (sections 3.3-3.4: either, per push), or ``"auto"``: the HSM, ISM
+            or MSM (with ``beta = alpha``) plan of least `predicted_work`; MSM only
+            with ``alpha >= 2`` and when its table takes about a second at most. The
+            returned schedule's ``policy`` says which.
         alpha: slots one internal state takes; required for ``"msm"``, default 1 for
-            ``"ism"``, not accepted for ``"hsm"``.
+            ``"ism"`` and ``"auto"``, not accepted for ``"hsm"``.
         beta: slots an internal state takes when its input state is already held
             (section 3.4); ``"msm"`` only, ``1 <= beta <= alpha``, default ``alpha``.
         progress: called now and then with the fraction of the work done (0 to 1), for
@@ -453,6 +464,8 @@ def plan(
         (24, 24)
         >>> memento.plan(1000, 50, policy="ism").cost_per_step
         1.95
+        >>> memento.plan(1000, 50, policy="auto", alpha=3).policy
+        'msm'
 
     Notes:
         Planning time: HSM and ISM use closed forms (t = 100,000, m = 100 in tens of ms);
@@ -466,6 +479,14 @@ def plan(
     """
     fn = "memento.plan"
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
+    if policy == "auto":
+
+        def exact(p: str, a: int | None) -> Schedule:
+            # Progress is shown for the HSM or ISM rows; MSM, when planned, is quick.
+            shown = progress if p != "msm" else None
+            return plan(t, m, policy=p, alpha=a, progress=shown)  # pyright: ignore[reportArgumentType]
+
+        return plan_auto(t, m, alpha, exact)
     seconds, nbytes = _estimate(t, m, policy, alpha, beta)
     if policy != "msm" or alpha == 1:  # MSM's tables are checked below, with a hint
         _refuse_if_too_large(
@@ -540,7 +561,7 @@ def cost_table(
         C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
 
     Raises:
-        ValueError: as `plan`'s, and a table estimated to take more than two minutes or
+        ValueError: as `plan`'s, ``policy="auto"`` (no single table), and a table estimated to take more than two minutes or
             4 GiB (8 B per entry), refused before any work with the estimate.
 
     Examples:
@@ -553,6 +574,11 @@ def cost_table(
     """
     fn = "memento.cost_table"
     t, m, policy, alpha, beta = _check(fn, max_steps, max_memory, policy, alpha, beta)
+    if policy == "auto":
+        raise ValueError(
+            f"{fn}: policy='auto' picks a policy per plan, so it has no single table of "
+            "costs; pass policy='hsm', 'ism' or 'msm'"
+        )
     cells = (t + 1) * (m + 1)
     _refuse_if_too_large(
         fn,
