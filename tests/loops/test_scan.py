@@ -242,10 +242,26 @@ def test_forward_evaluations_equal_schedule_cost(policy, memory):
     jax.block_until_ready(jax.jit(jax.grad(loss))(h0, xs))
     counts.update(forward=0, backward=0)
     jax.block_until_ready(jax.jit(jax.grad(loss))(h0, xs))  # cached: counts one run
-    alpha = _budget.internal_slots(*_sizes(cell, h0, xs[0]))
-    schedule = _budget.choose_schedule(23, memory, alpha, policy, name="test")
+    # grad(loss)(h0, xs) perturbs h0 only: that is what the executor differentiates.
+    schedule = memento.loops.scan_schedule(cell, h0, xs, memory=memory, policy=policy, wrt=["init"])
     assert counts["forward"] == schedule.cost == schedule.simulate().forward_evaluations
     assert counts["backward"] == 23  # the VJP runs once per step, never for recomputation
+    alpha = _budget.internal_slots(*_sizes(cell, h0, xs[0]))
+    assert schedule.alpha == (1 if schedule.policy == "hsm" else alpha)
+
+
+def test_scan_schedule_bad_input():
+    w, h0, xs = rnn_params()
+    cell = counting_cell(w, {"forward": 0, "backward": 0})
+    name = "memento.loops.scan_schedule"
+    with pytest.raises(ValueError, match=f"{name}: memory=None is lax.scan"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=f"{name}: wrt must be a collection of 'closure'"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=3, wrt=["params"])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=f"{name}: a scan of 0 steps runs lax.scan"):
+        memento.loops.scan_schedule(cell, h0, xs[:0], memory=3)
+    with pytest.raises(ValueError, match=f"{name}: unknown policy 'fast'"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=3, policy="fast")  # pyright: ignore[reportArgumentType]
 
 
 def _sizes(cell, h0, x):
