@@ -1,7 +1,7 @@
 """`memento.while_loop`: a reverse-differentiable while loop, checkpointed online.
 
 Forward pass: one ``lax.while_loop`` (bounded by ``max_steps`` when given) that keeps
-carries in ``memory - 1`` slots as the online policy of `memento.planning._online` says:
+carries in ``memory - 1`` slots as the online policy of `memento.planning.online_events` says:
 its decisions depend on the step index only, so they are a small table of events (keep
 ``h_p`` in slot j) read by a pointer, one comparison per step.
 
@@ -13,7 +13,7 @@ steps from ``h_b`` and pushes ``h_{b+y}``: Griewank-Walther's binomial recursion
 paper's HSM, eq. (1)-(3)) unrolled one push at a time, the split computed on device from
 its closed form. Then it advances to ``h_e`` and back-propagates step e fused; a carry is
 popped once its own step has been. Forward evaluations: ``n + sum_i C_hsm(L_i, memory -
-i)`` over the kept segments, exactly `memento.planning._online.online_evaluations`.
+i)`` over the kept segments, exactly `memento.planning.online_evaluations`.
 
 The program holds the body three times (primal loop forward, primal and VJP backward)
 whatever ``max_steps``: the plan is data (the event table) or computed on device.
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core as jax_core, lax
 
-from ..planning import _online
+from ..planning import online_events
 from . import _pool
 from ._body import (
     Body,
@@ -80,7 +80,7 @@ def while_loop(
     kept. The compiled program does not grow with ``max_steps``.
 
     Forward evaluations of ``body_fun`` for n steps are ``online_evaluations(memory, n)``
-    of `memento.planning._online`: ``2n`` up to ``memory`` steps, the online optimum of
+    of `memento.planning`: ``2n`` up to ``memory`` steps, the online optimum of
     Stumm and Walther's algorithm I (``3n - memory``) up to ``binom(memory + 2, 2) - 1``
     steps, and beyond within 6% of the offline optimum ``memento.plan(n, memory).cost``
     (measured for 20 <= n <= 10^4, memory in {8, 16, 30}); never more than Equinox's
@@ -216,8 +216,7 @@ def while_loop(
             stacklevel=2,
         )
         slots = _MAX_POLICY_SLOTS
-    cap = steps if steps is not None else _online.DEFAULT_CAP
-    events = _online.online_events(slots, max(cap, 1))
+    events = online_events(slots, None if steps is None else max(steps, 1))
 
     run = _differentiable_run(
         body, cond_jaxpr, len(cond_consts), slots, steps, events, is_buffer, write_spec
@@ -372,7 +371,7 @@ def _comb(n, k):
 
 
 def hsm_split_device(t, m):
-    """`memento.planning._closed.hsm_split` (high=True) on int32 scalars; t >= 2, m >= 2.
+    """`memento.planning.hsm_split` (high=True) on int32 scalars; t >= 2, m >= 2.
 
     The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
     with ``binom(m + w, w) - 2 >= s`` (found by stepping w up, the binomial updated in

@@ -34,7 +34,19 @@ import numpy as np
 from ._auto import Policy, auto_uses_msm, check_policy, plan_auto
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
-from ._schedule import Op, Schedule, count_peak
+from ._schedule import (
+    _ADV,
+    _BACK_I,
+    _FREE_H,
+    _FREE_I,
+    _FUSED,
+    _LOAD_H,
+    _LOAD_I,
+    _SAVE_H,
+    _SAVE_I,
+    Schedule,
+    count_peak,
+)
 
 __all__ = ["cost_table", "plan", "plan_estimate"]
 
@@ -51,17 +63,6 @@ _S_PER_STEP = 1.2e-6
 _S_PER_CELL = 5e-9
 
 Progress = Callable[[float], None]
-
-# Opcodes as plain ints (the emitter's inner loop is hot).
-_ADV = int(Op.ADVANCE)
-_SAVE_H = int(Op.SAVE_HIDDEN)
-_SAVE_I = int(Op.SAVE_INTERNAL)
-_LOAD_H = int(Op.LOAD_HIDDEN)
-_LOAD_I = int(Op.LOAD_INTERNAL)
-_BACK_I = int(Op.BACKWARD_INTERNAL)
-_FUSED = int(Op.BACKWARD_FUSED)
-_FREE_H = int(Op.FREE_HIDDEN)
-_FREE_I = int(Op.FREE_INTERNAL)
 
 
 # --------------------------------------------------------------------------- validation
@@ -263,6 +264,18 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _cached_leaf = functools.lru_cache(maxsize=2048)(_build_leaf)
 
 
+def _leaf_rows(kind: str, t: int, b: int, slot0: int, base_op: int, base_arg: int) -> np.ndarray:
+    """One leaf's rows at position ``b``, its slots from ``slot0``, its base loaded by
+    ``(base_op, base_arg)``: `_assemble`'s placement of one leaf (for the chain planner)."""
+    rows, slot, base = _leaf_template(kind, t)
+    rows = rows.copy()
+    rows[:, 2] += b
+    rows[slot, 1] += slot0
+    rows[base, 0] = base_op
+    rows[base, 1] = base_arg
+    return rows
+
+
 def _emit(
     num_steps: int,
     memory: int,
@@ -304,7 +317,7 @@ def _emit(
         if b is None:
             ext(node[1])
             continue
-        _, t, m, hd, idp, bop, barg = node
+        _, t, m, hd, idp, bop, barg = node  # b is None for rows, see the docstring
         ticks += 1
         if progress is not None and ticks % 4096 == 0:
             progress(1.0 - (b + t) / num_steps)
@@ -335,28 +348,39 @@ def _emit(
             else:
                 kind, y = int(kind_t[t, m]), int(split_t[t, m])
             mr = m - 1 if kind == _HIDDEN else m - (beta if y == 1 else alpha)
-        if kind == _HIDDEN:
-            # Q1 (eq. 1/6): advance y, push h_{b+y}, right part with m-1, pop, left part.
-            p = b + y
-            ext((_ADV, y, b, _SAVE_H, hd, p))
-            push((b, y, m, hd, idp, bop, barg))
-            push((None, (_FREE_H, hd, p, bop, barg, b)))
-            push((p, t - y, mr, hd + 1, idp, _LOAD_H, hd))
-        else:
-            # Q2 (eq. 4/7/10): advance y-1, keep step b+y-1's internal state (it holds
-            # h_{b+y}), right part, back-propagate that step from the slot, left part.
-            p = b + y - 1
-            if y > 1:
-                ext((_ADV, y - 1, b))
-            ext((_SAVE_I, idp, p))
-            if y > 1:
-                push((b, y - 1, m, hd, idp, bop, barg))
-                push((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
-            else:
-                push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
-            if t > y:
-                push((p + 1, t - y, mr, hd, idp + 1, _LOAD_I, idp))
+        _split(ext, push, node, y, kind == _HIDDEN, mr)
     return _assemble(np.array(out, dtype=np.int32).reshape(-1, 3), leaves)
+
+
+def _split(ext: Callable, push: Callable, node: tuple, y: int, hidden: bool, m_right: int):
+    """Emits the rows of a push at ``y`` and pushes its parts on the stack (right first).
+
+    Shared by `_emit` and the chain planner's emitter. ``node = (b, t, m, hd, idp, base_op,
+    base_arg)`` as in `_emit`; ``m_right`` is what the right part may use (``m`` less the
+    pushed state), in the caller's units; the left part keeps ``m``.
+    """
+    b, t, m, hd, idp, bop, barg = node
+    if hidden:
+        # Q1 (eq. 1/6): advance y, push h_{b+y}, right part with m-1, pop, left part.
+        p = b + y
+        ext((_ADV, y, b, _SAVE_H, hd, p))
+        push((b, y, m, hd, idp, bop, barg))
+        push((None, (_FREE_H, hd, p, bop, barg, b)))
+        push((p, t - y, m_right, hd + 1, idp, _LOAD_H, hd))
+        return
+    # Q2 (eq. 4/7/10): advance y-1, keep step b+y-1's internal state (it holds h_{b+y}),
+    # right part, back-propagate that step from the slot, left part.
+    p = b + y - 1
+    if y > 1:
+        ext((_ADV, y - 1, b))
+    ext((_SAVE_I, idp, p))
+    if y > 1:
+        push((b, y - 1, m, hd, idp, bop, barg))
+        push((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
+    else:
+        push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
+    if t > y:
+        push((p + 1, t - y, m_right, hd, idp + 1, _LOAD_I, idp))
 
 
 def _peak(rows: np.ndarray, policy: str, alpha: int, beta: int, counts_initial: bool) -> int:

@@ -69,6 +69,18 @@ class Op(enum.IntEnum):
     FREE_INTERNAL = 8
 
 
+# Opcodes as plain ints, for the planners' emitters (their inner loops are hot).
+_ADV = int(Op.ADVANCE)
+_SAVE_H = int(Op.SAVE_HIDDEN)
+_SAVE_I = int(Op.SAVE_INTERNAL)
+_LOAD_H = int(Op.LOAD_HIDDEN)
+_LOAD_I = int(Op.LOAD_INTERNAL)
+_BACK_I = int(Op.BACKWARD_INTERNAL)
+_FUSED = int(Op.BACKWARD_FUSED)
+_FREE_H = int(Op.FREE_HIDDEN)
+_FREE_I = int(Op.FREE_INTERNAL)
+
+
 INITIAL = -1  # the hidden "slot" of h_0, always held by the caller
 
 
