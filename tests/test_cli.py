@@ -191,7 +191,7 @@ def test_missing_jax_hint(capsys, monkeypatch):
 def test_bad_values_exit_2(capsys, revolve_planner, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
-    assert err.startswith("memento plan: error: memento.planning.revolve:")
+    assert err.startswith("memento plan: error: memento.revolve:")
     assert message in err and "Traceback" not in err
 
 

@@ -11,8 +11,8 @@ import pytest
 from jax import lax
 
 import memento
-from memento.loops._while import hsm_split_device
 from memento import planning
+from memento.loops._while import hsm_split_device
 from memento.planning._closed import hsm_cost, hsm_split
 
 H = 3

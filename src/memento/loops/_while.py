@@ -44,6 +44,7 @@ from ._body import (
     nbytes,
     refuse_reverse_over_reverse,
     split,
+    structure_error,
 )
 from ._budget import Bytes, parse_memory, to_slots
 from ._interpreter import advance_steps, apply_pullback
@@ -164,14 +165,10 @@ def while_loop(
         stand_ins = [_Buffer(j, a) for j, a in enumerate(buffer_avals)]
         full = _merge_buffers(c, stand_ins, is_buffer)
         out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(
-            out, is_leaf=lambda x: isinstance(x, _Buffer)
-        )
+        is_stand_in = lambda x: isinstance(x, _Buffer)  # noqa: E731
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_stand_in)
         if out_tree != init_tree:
-            raise TypeError(
-                f"{_NAME}: the body's output carry has structure {out_tree}, but the input "
-                f"carry has structure {init_tree}; return a carry of the same structure."
-            )
+            raise structure_error(_NAME, init_tree, out, is_leaf=is_stand_in)
         new_c, ys = [], []
         writes.clear()
         j = 0
@@ -193,7 +190,9 @@ def while_loop(
             j += 1
         return new_c, ys
 
-    body = make_body(as_step, carry0, None, name=_NAME)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
+    paths = [p for p, b in zip(paths, is_buffer) if not b]
+    body = make_body(as_step, carry0, None, name=_NAME, carry_paths=paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)

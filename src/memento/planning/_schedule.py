@@ -219,7 +219,9 @@ def simulate(s: Schedule) -> SimulationResult:
     sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
 
     def fail(i: int, msg: str):
-        raise ScheduleError(f"row {i} {tuple(int(v) for v in s.actions[i])}: {msg}")
+        raise ScheduleError(
+            f"memento.simulate: row {i} {tuple(int(v) for v in s.actions[i])}: {msg}"
+        )
 
     # Positions held right now, counted so that each check is O(1): h_p in a hidden slot,
     # or h_{p} as the output of an internal slot holding step p-1.
@@ -344,7 +346,7 @@ def simulate(s: Schedule) -> SimulationResult:
         if used > s.memory:
             fail(i, f"{used} slots in use, over the budget of {s.memory}")
     if expect != -1:
-        raise ScheduleError(f"steps 0..{expect} were never back-propagated")
+        raise ScheduleError(f"memento.simulate: steps 0..{expect} were never back-propagated")
     assert sweep_end is not None
     return SimulationResult(
         forward_evaluations=evals,
