@@ -117,11 +117,11 @@ def scan_schedule(
     f: Callable,
     init: Any,
     xs: Any = None,
-    length: int | None = None,
-    reverse: bool = False,
     *,
     memory: int | str | Bytes,
     policy: Policy = "auto",
+    length: int | None = None,
+    reverse: bool = False,
     wrt: Sequence[Literal["closure", "init", "xs"]] = _WRT,
 ) -> Schedule:
     """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``.
@@ -132,9 +132,9 @@ def scan_schedule(
     Traces ``f`` once, abstractly; runs nothing.
 
     Args:
-        f, init, xs, length, reverse: as `memento.scan` (and ``jax.lax.scan``).
-        memory, policy: as `memento.scan`; ``memory`` is required (``None`` is
-            ``lax.scan``, which follows no schedule).
+        f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
+        memory, policy, length, reverse: as `memento.scan` (keyword-only here);
+            ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
         wrt: what the gradient is taken with respect to, since alpha is measured from
             the residuals of what is differentiated: any of ``"closure"`` (every float
             array ``f`` closes over), ``"init"`` and ``"xs"`` (their float leaves).

@@ -94,30 +94,25 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
                 "policy='msm'"
             )
         return t, m, policy, 1, 1
-    if policy == "ism":
+    if policy in ("ism", "auto"):  # alpha defaults to 1, beta is alpha
         if beta is not None:
+            why = (
+                " (ISM never stores an internal state next to its input)"
+                if policy == "ism"
+                else "; 'auto' plans MSM with beta = alpha, as memento.scan does"
+            )
             raise ValueError(
-                f"{fn}: beta={beta!r} applies to policy='msm' only (ISM never stores an "
-                "internal state next to its input); drop beta or pass policy='msm'"
+                f"{fn}: beta={beta!r} applies to policy='msm' only{why}; drop beta or pass "
+                "policy='msm'"
             )
         a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
         if a < 1:
             raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
-        if m < a:
+        if policy == "ism" and m < a:
             raise ValueError(
                 f"{fn}: memory={m} is below policy='ism''s minimum of one internal state "
                 f"(alpha={a} slots); pass memory >= {a}"
             )
-        return t, m, policy, a, a
-    if policy == "auto":
-        if beta is not None:
-            raise ValueError(
-                f"{fn}: beta={beta!r} applies to policy='msm' only; 'auto' plans MSM with "
-                "beta = alpha, as memento.scan does; drop beta or pass policy='msm'"
-            )
-        a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
-        if a < 1:
-            raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
         return t, m, policy, a, a
     if alpha is None:
         raise ValueError(
