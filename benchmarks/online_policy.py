@@ -2,7 +2,7 @@
 
 For c slots and every loop length n, the forward evaluations of the online policy
 (checkpoints placed while the loop runs, the rest planned once n is known; replayed by
-`memento.planning._online.online_evaluations`, which a test checks against the executor's
+`memento.planning.online_evaluations`, which a test checks against the executor's
 counted evaluations) divided by the offline optimum ``memento.plan(n, c).cost``.
 
     python benchmarks/online_policy.py [--max-steps 10000] [--slots 8 16 30]
@@ -15,8 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from memento.planning import _online
-from memento.planning._closed import hsm_cost
+from memento import planning
 
 
 def main():
@@ -28,7 +27,7 @@ def main():
     for c in args.slots:
         start = time.perf_counter()
         ratios = {
-            n: _online.online_evaluations(c, n, args.max_steps) / hsm_cost(n, c)
+            n: planning.online_evaluations(c, n, args.max_steps) / planning.hsm_cost(n, c)
             for n in range(1, args.max_steps + 1)
         }
         for lo in (1, 10, 20):

@@ -41,8 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common

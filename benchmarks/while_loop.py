@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import memento  # noqa: E402
-from memento.planning import _online  # noqa: E402
+from memento import planning  # noqa: E402
 
 # ----------------------------------------------------------------------------------- bodies
 
@@ -257,7 +257,7 @@ def main(argv=None):
                     "hlo_lines": stats["hlo_lines"],
                     "temp_mib": _common.mib(stats["temp_bytes"]),
                     "evaluations": counts.get(n),
-                    "model": _online.online_evaluations(c, n, m) if method == "memento" else None,
+                    "model": planning.online_evaluations(c, n, m) if method == "memento" else None,
                 }
                 rows.append(row)
                 print(_fmt(row), flush=True)

@@ -114,7 +114,9 @@ def test_plan_auto_is_the_default(capsys):
     assert record["requested_policy"] == "auto" and record["alpha"] == 5
     assert record["policy"] in ("hsm", "ism", "msm")
     code, _, err = run(capsys, "plan", "--steps", "10", "--memory", "5", "--beta", "2")
-    assert code == 2 and "--beta needs --policy msm" in err
+    assert (
+        code == 2 and "memento.plan: beta=2 applies to policy='msm' only; 'auto' plans MSM" in err
+    )
 
 
 def test_plan_memory_in_bytes(capsys):
@@ -189,7 +191,7 @@ def test_missing_jax_hint(capsys, monkeypatch):
 def test_bad_values_exit_2(capsys, revolve_planner, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
-    assert err.startswith("memento plan: error: memento.planning.revolve:")
+    assert err.startswith("memento plan: error: memento.revolve:")
     assert message in err and "Traceback" not in err
 
 

@@ -54,7 +54,7 @@ def replace(rows, i, row):
 
 
 def rejects(s, message, row=None):
-    prefix = (
+    prefix = "memento\\.simulate: " + (
         "" if row is None else re.escape(f"row {row} {tuple(int(v) for v in s.actions[row])}: ")
     )
     with pytest.raises(ScheduleError, match=prefix + message):
@@ -157,5 +157,7 @@ def test_over_budget():
 
 
 def test_steps_never_back_propagated():
-    with pytest.raises(ScheduleError, match=r"^steps 0\.\.0 were never back-propagated$"):
+    with pytest.raises(
+        ScheduleError, match=r"^memento\.simulate: steps 0\.\.0 were never back-propagated$"
+    ):
         hsm(HSM[:6]).simulate()

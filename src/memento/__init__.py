@@ -9,45 +9,37 @@ their real signatures from the ``TYPE_CHECKING`` imports.
 import importlib as _importlib
 from typing import TYPE_CHECKING
 
-from .planning import BpttComparison as BpttComparison
 from .planning import (
+    BpttComparison as BpttComparison,
     Op as Op,
-)
-from .planning import (
     Schedule as Schedule,
-)
-from .planning import (
     ScheduleError as ScheduleError,
-)
-from .planning import (
     SimulationResult as SimulationResult,
-)
-from .planning import chen_recursive as chen_recursive
-from .planning import chen_sqrt as chen_sqrt
-from .planning import compare_to_bptt as compare_to_bptt
-from .planning import cost_table as cost_table
-from .planning import plan as plan
-from .planning import plan_chain as plan_chain
-from .planning import revolve as revolve
-from .planning import revolve_cost as revolve_cost
-from .planning import (
+    chen_recursive as chen_recursive,
+    chen_sqrt as chen_sqrt,
+    compare_to_bptt as compare_to_bptt,
+    cost_table as cost_table,
+    plan as plan,
+    plan_chain as plan_chain,
+    revolve as revolve,
+    revolve_cost as revolve_cost,
     simulate as simulate,
+    store_all as store_all,
+    store_none as store_none,
 )
-from .planning import store_all as store_all
-from .planning import store_none as store_none
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at runtime)
-    from . import loops as loops
-    from . import meta as meta
-    from .loops import bytes_budget as bytes_budget
-
-    # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it lands
-    # the name is unknown to checkers (and an AttributeError at runtime), not an error here.
-    from .loops import chain as chain  # pyright: ignore[reportAttributeAccessIssue]
-    from .loops import scan as scan
-    from .loops import while_loop as while_loop
+    from . import loops as loops, meta as meta
+    from .loops import (
+        bytes_budget as bytes_budget,
+        # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it
+        # lands the name is unknown to checkers (and an AttributeError at runtime).
+        chain as chain,  # pyright: ignore[reportAttributeAccessIssue]
+        scan as scan,
+        while_loop as while_loop,
+    )
     from .meta import fwdrev_grad as fwdrev_grad
 
 # name -> (module, attribute); attribute None means the module itself.

@@ -23,6 +23,7 @@ import importlib
 import json
 import sys
 import time
+import typing
 
 __all__ = ["main"]
 
@@ -103,23 +104,14 @@ def _slots(args) -> int:
 def _schedule(args, slots: int):
     from .planning import plan, plan_estimate
 
-    if args.policy != "auto":
-        kwargs: dict = dict(policy=args.policy, alpha=args.alpha, beta=args.beta)
-        try:
-            seconds, _ = plan_estimate(args.steps, slots, **kwargs)
-        except (ValueError, TypeError):  # plan reports bad values itself
-            seconds = 0.0
-        if seconds > _PROGRESS_AFTER_S:
-            kwargs["progress"] = _progress_bar(f"planning (about {seconds:.0f} s)")
-        return plan(args.steps, slots, **kwargs)
-    if args.beta is not None:
-        raise ValueError(
-            "--beta needs --policy msm; 'auto' plans MSM with beta = alpha, as memento.scan."
-        )
-    # memento.scan's own rule (NumPy only, but its package imports jax).
-    from .loops import _budget as budget
-
-    return budget.choose_schedule(args.steps, slots, args.alpha or 1, "auto", name="memento plan")
+    kwargs: dict = dict(policy=args.policy, alpha=args.alpha, beta=args.beta)
+    try:
+        seconds, _ = plan_estimate(args.steps, slots, **kwargs)
+    except (ValueError, TypeError):  # plan reports bad values itself
+        seconds = 0.0
+    if seconds > _PROGRESS_AFTER_S:
+        kwargs["progress"] = _progress_bar(f"planning (about {seconds:.0f} s)")
+    return plan(args.steps, slots, **kwargs)
 
 
 def _describe(schedule) -> str:
@@ -249,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Optimal gradient checkpointing through long loops (Gruslys et al. 2016).",
     )
     from . import __version__
+    from .planning import Policy
 
     parser.add_argument("--version", action="version", version=f"memento {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -275,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="auto",
-        choices=("auto", "hsm", "ism", "msm"),
+        choices=typing.get_args(Policy),
         help="auto (default, as memento.scan: the least predicted work of the three),"
         " hsm (hidden states only), ism (internal states only) or msm (mixed)",
     )

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from memento.apps.tasks import IMPLEMENTATIONS, TASKS, make_task
-from memento.apps.toy import IMPLEMENTATIONS as TOY_IMPLEMENTATIONS
-from memento.apps.toy import make_toy_task
+from memento.apps.toy import IMPLEMENTATIONS as TOY_IMPLEMENTATIONS, make_toy_task
 from memento.meta import transformer as tfm
 
 TINY = tfm.TransformerConfig(

@@ -8,8 +8,7 @@ and Hessian-vector products (forward over reverse) in float64 or complex128.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from jax import lax
 
 import memento

@@ -242,10 +242,26 @@ def test_forward_evaluations_equal_schedule_cost(policy, memory):
     jax.block_until_ready(jax.jit(jax.grad(loss))(h0, xs))
     counts.update(forward=0, backward=0)
     jax.block_until_ready(jax.jit(jax.grad(loss))(h0, xs))  # cached: counts one run
-    alpha = _budget.internal_slots(*_sizes(cell, h0, xs[0]))
-    schedule = _budget.choose_schedule(23, memory, alpha, policy, name="test")
+    # grad(loss)(h0, xs) perturbs h0 only: that is what the executor differentiates.
+    schedule = memento.loops.scan_schedule(cell, h0, xs, memory=memory, policy=policy, wrt=["init"])
     assert counts["forward"] == schedule.cost == schedule.simulate().forward_evaluations
     assert counts["backward"] == 23  # the VJP runs once per step, never for recomputation
+    alpha = _budget.internal_slots(*_sizes(cell, h0, xs[0]))
+    assert schedule.alpha == (1 if schedule.policy == "hsm" else alpha)
+
+
+def test_scan_schedule_bad_input():
+    w, h0, xs = rnn_params()
+    cell = counting_cell(w, {"forward": 0, "backward": 0})
+    name = "memento.loops.scan_schedule"
+    with pytest.raises(ValueError, match=f"{name}: memory=None is lax.scan"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=f"{name}: wrt must be a collection of 'closure'"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=3, wrt=["params"])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=f"{name}: a scan of 0 steps runs lax.scan"):
+        memento.loops.scan_schedule(cell, h0, xs[:0], memory=3)
+    with pytest.raises(ValueError, match=f"{name}: unknown policy 'fast'"):
+        memento.loops.scan_schedule(cell, h0, xs, memory=3, policy="fast")  # pyright: ignore[reportArgumentType]
 
 
 def _sizes(cell, h0, x):
@@ -304,7 +320,11 @@ def test_temp_memory_follows_budget_not_steps():
             ValueError,
             "cannot hold even one carry of 24 bytes; the minimum is 24 bytes",
         ),
-        ({"memory": 2, "policy": "fast"}, ValueError, "policy must be one of"),
+        (
+            {"memory": 2, "policy": "fast"},
+            ValueError,
+            "memento.scan: unknown policy 'fast'; pass one of 'auto'",
+        ),
         ({"memory": 1, "policy": "ism"}, ValueError, "needs room for one internal state"),
     ],
 )
@@ -325,6 +345,36 @@ def test_bad_body():
         memento.scan(lambda h, x: (h, None), h0, (xs, xs[:3]), memory=2)
     with pytest.raises(ValueError, match="pass length="):
         memento.scan(lambda h, x: (h, None), h0, None, memory=2)
+
+
+@pytest.mark.parametrize(
+    "new_carry,message",
+    [
+        (
+            lambda c: {"a": c["a"], "b": [c["b"][0]], "c": c["a"]},
+            "the body's output carry has structure PyTreeDef({'a': *, 'b': [*], 'c': *}), but "
+            "the input carry has structure PyTreeDef({'a': *, 'b': (*, *)}); differs at "
+            "carry['b'][1] (input only); carry['c'] (output only).",
+        ),
+        (
+            lambda c: {"a": c["a"], "b": list(c["b"])},
+            "differs at the containers, not the leaves.",
+        ),
+        (
+            lambda c: {"a": c["a"].astype(jnp.int32), "b": (c["b"][0][:2], c["b"][1])},
+            "the body must return a carry with the shapes and dtypes of the initial carry (cast "
+            "inside the body, or change init); differs at carry['a']: float64[2] in, int32[2] "
+            "out; carry['b'][0]: float64[3] in, float64[2] out.",
+        ),
+    ],
+)
+def test_carry_mismatch_names_every_leaf(new_carry, message):
+    # As lax.scan's error: each differing leaf by its key path (jax.tree_util.keystr).
+    init = {"a": jnp.zeros(2), "b": (jnp.zeros(3), jnp.zeros(1))}
+    with pytest.raises(TypeError, match="memento.scan: .*" + re.escape(message)):
+        memento.scan(lambda c, x: (new_carry(c), None), init, jnp.zeros(4), memory=2)
+    with pytest.raises(TypeError, match="memento.while_loop: .*" + re.escape(message)):
+        memento.while_loop(lambda c: True, new_carry, init, max_steps=3, memory=2)
 
 
 def test_byte_budget():

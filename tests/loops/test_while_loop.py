@@ -11,8 +11,8 @@ import pytest
 from jax import lax
 
 import memento
+from memento import planning
 from memento.loops._recursion import hsm_splitter
-from memento.planning import _online
 from memento.planning._closed import hsm_cost, hsm_split
 
 H = 3
@@ -187,14 +187,14 @@ def test_forward_evaluations_equal_policy(memory):
     for n in (0, 1, 7, 44, 45, 46, 121, 200):
         counts["forward"] = 0
         jax.block_until_ready(grad(h0, n))
-        assert counts["forward"] == _online.online_evaluations(memory, n, 200), n
+        assert counts["forward"] == planning.online_evaluations(memory, n, 200), n
 
 
 def test_online_policy_against_offline_optimum_and_phase_two():
     for c in (8, 16, 30):
-        ev = _online.online_events(c, 2000)
+        ev = planning.online_events(c, 2000)
         for n in range(1, 2000, 7):
-            ours = _online.online_evaluations(c, n, 2000)
+            ours = planning.online_evaluations(c, n, 2000)
             opt = hsm_cost(n, c)
             assert ours >= opt
             if c < n < (c + 1) * (c + 2) // 2:
@@ -241,7 +241,7 @@ def _equinox_counts(c, ns):
 def test_never_more_evaluations_than_equinox(c):
     ns = sorted({*range(0, 3 * c), *range(3 * c, 400, 11), *range(40, 60)})
     eqx = _equinox_counts(c, ns)
-    worse = {n: (_online.online_evaluations(c, n), e) for n, e in eqx.items()}
+    worse = {n: (planning.online_evaluations(c, n), e) for n, e in eqx.items()}
     worse = {n: v for n, v in worse.items() if v[0] > v[1]}
     assert not worse, json.dumps(worse)
 

@@ -137,19 +137,19 @@ def test_exported_at_top_level():
 
 
 def test_bad_mode_is_a_clear_value_error():
-    with pytest.raises(ValueError, match=r"fwdrev_grad: mode must be one of .* got 'fwd'"):
+    with pytest.raises(ValueError, match=r"memento\.fwdrev_grad: mode must be one of .* got 'fwd'"):
         fwdrev_grad(inner_loss, mode="fwd")
 
 
 def test_bad_argnums_and_loss():
-    with pytest.raises(TypeError, match="fwdrev_grad: argnums must be an int"):
+    with pytest.raises(TypeError, match=r"memento\.fwdrev_grad: argnums must be an int"):
         fwdrev_grad(inner_loss, argnums="0")
-    with pytest.raises(TypeError, match="fwdrev_grad: loss_fn must be callable"):
+    with pytest.raises(TypeError, match=r"memento\.fwdrev_grad: loss_fn must be callable"):
         fwdrev_grad(3.0)
-    with pytest.raises(ValueError, match="fwdrev_grad: argnums=7 is out of range"):
+    with pytest.raises(ValueError, match=r"memento\.fwdrev_grad: argnums=7 is out of range"):
         fwdrev_grad(lambda x: jnp.sum(x), argnums=7)(jnp.ones(2))
 
 
 def test_integer_argument_cannot_be_differentiated():
-    with pytest.raises(TypeError, match="fwdrev_grad: argument 1 is differentiated"):
+    with pytest.raises(TypeError, match=r"memento\.fwdrev_grad: argument 1 is differentiated"):
         fwdrev_grad(lambda x, n: jnp.sum(x) * n, argnums=1)(jnp.ones(2), 3)

@@ -4,11 +4,9 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from memento.planning import _baselines as bl
-from memento.planning import cost_table, plan
+from memento.planning import _baselines as bl, cost_table, plan
 from memento.planning._schedule import Op, Schedule
 
 GRID = [1, 2, 3, 4, 5, 7, 10, 16, 33, 100, 257]

@@ -5,8 +5,7 @@ import random
 import pytest
 from _brute import search
 
-from memento.planning import _reference as ref
-from memento.planning import plan, plan_chain
+from memento.planning import _reference as ref, plan, plan_chain
 
 T, M = 8, 4
 

@@ -7,12 +7,18 @@ from math import comb
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import memento
-from memento.planning import Op, _closed, cost_table, plan, revolve_cost, simulate
-from memento.planning import _reference as ref
+from memento.planning import (
+    Op,
+    _closed,
+    _reference as ref,
+    cost_table,
+    plan,
+    revolve_cost,
+    simulate,
+)
 
 MSM_PARAMS = [(1, 1), (2, 1), (2, 2), (3, 2), (5, 4), (5, 5), (4, 1)]
 
@@ -277,7 +283,7 @@ def test_repr_and_counts():
         ((10.5, 4), {}, TypeError, r"num_steps must be an int, got 10\.5 \(float\)"),
         ((True, 4), {}, TypeError, r"num_steps must be an int, got True \(bool\)"),
         ((10, "4"), {}, TypeError, r"memory must be an int, got '4'"),
-        ((10, 4), {"policy": "abc"}, ValueError, r"unknown policy 'abc'; pass one of 'hsm'"),
+        ((10, 4), {"policy": "abc"}, ValueError, r"unknown policy 'abc'; pass one of 'auto'"),
         ((10, 4), {"alpha": 2}, ValueError, r"alpha/beta .* apply to policy='ism' or 'msm'"),
         ((10, 4), {"policy": "msm"}, ValueError, r"policy='msm' needs alpha"),
         ((10, 4), {"policy": "msm", "alpha": 0}, ValueError, r"alpha must be >= 1, got 0"),

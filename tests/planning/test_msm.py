@@ -4,11 +4,9 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from memento.planning import _dp, _msm, plan
-from memento.planning import _reference as ref
+from memento.planning import _dp, _msm, _reference as ref, plan
 
 PAIRS = [(a, b) for a in range(1, 7) for b in range(1, a + 1)]
 

@@ -12,8 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memento
 from memento.loops._hlo import loop_collectives

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..loops import scan
+from ..loops import scan, scan_schedule
 from ..loops._body import make_body, nbytes
-from ..loops._budget import choose_schedule, internal_slots, parse_memory, to_slots
+from ..loops._budget import internal_slots
 from ..planning import Schedule
 
 # (steps, hidden, batch). The default takes about a minute on two busy CPU cores.
@@ -106,14 +106,10 @@ def step_sizes(step: Callable, params, xs, init) -> tuple[int, int]:
 
 
 def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
-    """The schedule `memento.scan` runs for ``scan(lambda c, x: step(params, c, x), ...)``.
-
-    Chosen as `memento.scan` chooses it, with ``policy="auto"`` and the measured alpha
-    (`step_sizes`).
-    """
-    carry_bytes, alpha = step_sizes(step, params, xs, init)
-    slots = to_slots(parse_memory(memory, name="memento demo"), carry_bytes, name="memento demo")
-    return choose_schedule(xs.shape[0], slots, alpha, "auto", name="memento demo")
+    """The schedule `memento.scan` runs for the gradient in ``params`` of `scan_loss`'s
+    ``scan(lambda c, x: step(params, c, x), init, xs, memory=memory)``
+    (`memento.loops.scan_schedule`)."""
+    return scan_schedule(lambda c, x: step(params, c, x), init, xs, memory=memory, wrt=("closure",))
 
 
 def max_relative_error(grad, reference) -> float:

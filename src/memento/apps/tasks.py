@@ -94,7 +94,9 @@ def make_task(
         batch ``"val"`` and, where eta is not the initial point, ``"init"`` parameters.
     """
     if task not in TASKS:
-        raise ValueError(f"make_task: task must be one of {TASKS}, got {task!r}.")
+        raise ValueError(
+            f"memento.apps.tasks.make_task: task must be one of {TASKS}, got {task!r}."
+        )
     k_init, k_meta, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)
     data = task_batches(k_data, config, num_steps=num_steps, batch_size=batch_size)
     theta0 = init_params(k_init, config)

@@ -21,13 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import core as jax_core
-from jax import lax
+from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
-from ._pool import from_storage
-from ._pool import nbytes as nbytes
+from ._pool import from_storage, nbytes as nbytes
 
 Leaves = list[Any]
 
@@ -327,13 +325,39 @@ def _type_str(a) -> str:
     return f"{a.dtype}{list(a.shape)}" + (" (weakly typed)" if a.weak_type else "")
 
 
-def make_body(f: Callable, init, x_example, *, name: str) -> Body:
+def structure_error(name: str, carry_tree, out, is_leaf=None) -> TypeError:
+    """The error for a body whose output carry ``out`` is not structured as ``carry_tree``.
+
+    Names every leaf that is in one and not the other by its key path, as ``lax.scan``'s
+    error does (``carry['b'][1]``); when the leaves agree and only containers differ (a
+    tuple for a list), the two structures.
+    """
+    out_tree = jax.tree_util.tree_structure(out, is_leaf=is_leaf)
+    marks = jax.tree_util.tree_unflatten(carry_tree, [object()] * carry_tree.num_leaves)
+    paths_in = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(marks)]
+    paths_out = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(out, is_leaf=is_leaf)
+    ]
+    wrong = [f"carry{p} (input only)" for p in paths_in if p not in set(paths_out)]
+    wrong += [f"carry{p} (output only)" for p in paths_out if p not in set(paths_in)]
+    where = "; ".join(wrong) if wrong else "the containers, not the leaves"
+    return TypeError(
+        f"{name}: the body's output carry has structure {out_tree}, but the input carry has "
+        f"structure {carry_tree}; differs at {where}. Return a carry of the same structure."
+    )
+
+
+def make_body(
+    f: Callable, init, x_example, *, name: str, carry_paths: Sequence[str] | None = None
+) -> Body:
     """Traces ``f(init, x_example)``; returns the `Body`.
 
     As ``lax.scan``, an initial carry leaf that is weakly typed (a Python scalar, say)
     takes the dtype that the body gives it (``0`` with ``int8`` inputs carries ``int8``):
     the body is traced a second time when that happens. Pass the initial carry through
-    `Body.cast_carry` before running the loop.
+    `Body.cast_carry` before running the loop. ``carry_paths`` name the carry's leaves
+    in messages (``jax.tree_util.keystr``; default: ``init``'s key paths).
 
     Raises:
         TypeError: if ``f`` does not return a ``(carry, y)`` pair whose carry has the
@@ -356,10 +380,7 @@ def make_body(f: Callable, init, x_example, *, name: str) -> Body:
         new_c, y = out
         new_leaves, new_tree = jax.tree_util.tree_flatten(new_c)
         if new_tree != carry_tree:
-            raise TypeError(
-                f"{name}: the body's output carry has structure {new_tree}, but the input "
-                f"carry has structure {carry_tree}; return a carry of the same structure."
-            )
+            raise structure_error(name, carry_tree, new_c)
         y_leaves, found["y_tree"] = jax.tree_util.tree_flatten(y)
         return new_leaves + y_leaves
 
@@ -378,7 +399,11 @@ def make_body(f: Callable, init, x_example, *, name: str) -> Body:
         carry_avals = promoted
         closed, out_shape = trace(carry_avals)
     n = len(carry_avals)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(init)[0]]
+    if carry_paths is None:  # else the caller's, when init is a part of the user's carry
+        carry_paths = [
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init)
+        ]
+    paths = carry_paths
     wrong = [
         f"carry{p}: {_type_str(a)} in, {_type_str(b)} out"
         for p, a, b in zip(paths, carry_avals, out_shape[:n])

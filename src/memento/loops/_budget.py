@@ -6,15 +6,9 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Literal
-
-import numpy as np
 
 from .. import planning
-from ..planning import Schedule, msm_estimate_s
-
-Policy = Literal["auto", "hsm", "ism", "msm"]
-POLICIES = ("auto", "hsm", "ism", "msm")
+from ..planning import Policy, Schedule, auto_policy
 
 _UNITS = {
     "": 1, "b": 1,
@@ -95,34 +89,13 @@ def internal_slots(residual_bytes: int, carry_bytes: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(num_steps: int, memory: int, policy: str, alpha: int | None) -> Schedule:
-    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)  # pyright: ignore[reportArgumentType]
+def _plan(num_steps: int, memory: int, policy: Policy, alpha: int | None) -> Schedule:
+    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)
 
 
-# "auto" skips MSM when its exact table is estimated to take longer than this to plan:
-# HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
-_MSM_AUTO_SECONDS = 1.0
-
-
-def choose_schedule(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> Schedule:
-    """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
-
-    ``"auto"`` takes the fastest of HSM, ISM and MSM by `predicted_work`. All three fit
-    the budget exactly: the executor stores every state in one stack-allocated pool.
-    """
-    chosen = choose_policy(num_steps, slots, alpha, policy, name=name)
-    return _plan(num_steps, slots, chosen, None if chosen == "hsm" else alpha)
-
-
-def choose_policy(num_steps: int, slots: int, alpha: int, policy: str, *, name: str) -> str:
-    """The policy `choose_schedule` plans: ``policy`` itself, or what ``"auto"`` picks.
-
-    HSM and ISM are priced from their closed forms without emitting a row (ISM stores
-    every step's internal state once: t saves); MSM, when cheap enough to plan, is planned
-    and priced from its rows, and taken when its `predicted_work` is strictly lower.
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"{name}: policy must be one of {POLICIES}, got {policy!r}.")
+def choose_policy(num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str) -> Policy:
+    """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks (for HSM
+    without planning it, see `memento.planning.auto_policy`)."""
     if policy == "ism" and slots < alpha:
         raise ValueError(
             f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
@@ -131,32 +104,15 @@ def choose_policy(num_steps: int, slots: int, alpha: int, policy: str, *, name: 
         )
     if policy != "auto":
         return policy
-    hsm_work = float(planning.hsm_cost(num_steps, slots))
-    ism_work = (
-        planning.ism_cost(num_steps, slots // alpha) + INTERNAL_STATE_CHARGE * num_steps
-        if slots >= alpha
-        else math.inf
-    )
-    best, work = ("hsm", hsm_work) if hsm_work <= ism_work else ("ism", ism_work)
-    cheap = alpha > 1 and msm_estimate_s(num_steps, slots, alpha, alpha) <= _MSM_AUTO_SECONDS
-    if cheap and predicted_work(_plan(num_steps, slots, "msm", alpha)) < work:
-        best = "msm"
-    return best
+    return auto_policy(num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a))
 
 
-# What "auto" charges for storing one internal state, in forward evaluations. Measured
-# (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a step's
-# residuals to the word pool and reading them back costs about 0.15 of a forward.
-INTERNAL_STATE_CHARGE = 0.25
+def choose_schedule(
+    num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str
+) -> Schedule:
+    """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
-
-def predicted_work(schedule: Schedule) -> float:
-    """Forward evaluations plus `INTERNAL_STATE_CHARGE` per internal state stored.
-
-    The paper counts forward evaluations only; "auto" minimises this instead, so that a
-    plan storing internal states must save more than their memory traffic. With a byte
-    pool the charge was about one forward (bitcasts that add a byte axis are not free in
-    XLA:CPU) and MSM never won; with the word pool it is a fraction (see `_pool`).
+    `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
     """
-    saves = int(np.count_nonzero(schedule.actions[:, 0] == planning.Op.SAVE_INTERNAL))
-    return schedule.cost + INTERNAL_STATE_CHARGE * saves
+    policy = choose_policy(num_steps, slots, alpha, policy, name=name)
+    return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Schedule
+from ..planning import Policy, Schedule, check_policy
 from . import _recursion
 from ._body import (
     Body,
@@ -24,7 +24,6 @@ from ._body import (
 )
 from ._budget import (
     Bytes,
-    Policy,
     choose_policy,
     choose_schedule,
     internal_slots,
@@ -96,26 +95,14 @@ def scan(
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
     """
-    if policy not in ("auto", "hsm", "ism", "msm"):
-        raise ValueError(
-            f"{_NAME}: policy must be one of 'auto', 'hsm', 'ism', 'msm'; got {policy!r}."
-        )
+    policy = check_policy(_NAME, policy)
     if memory is None:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
     budget = parse_memory(memory, name=_NAME)
-
-    x_leaves, x_tree = jax.tree_util.tree_flatten(xs)
-    num_steps = _length(x_leaves, length)
+    num_steps, x_leaves = _steps(xs, length, reverse, name=_NAME)
     if num_steps == 0:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
-    x_leaves = [jnp.asarray(x) for x in x_leaves]
-    if reverse:
-        x_leaves = [jnp.flip(x, 0) for x in x_leaves]
-    init_leaves, init_tree = jax.tree_util.tree_flatten(init)
-    init_leaves = [jnp.asarray(c) for c in init_leaves]
-    x_example = jax.tree_util.tree_unflatten(x_tree, [_slice_aval(x) for x in x_leaves])
-    body = make_body(f, jax.tree_util.tree_unflatten(init_tree, init_leaves), x_example, name=_NAME)
-    init_leaves = body.cast_carry(init_leaves)
+    body, init_leaves = _trace(f, init, xs, x_leaves, name=_NAME)
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(_plan, num_steps=num_steps, slots=slots, policy=policy)
 
@@ -131,30 +118,120 @@ def scan(
     )
 
 
+_WRT: tuple[Literal["closure", "init", "xs"], ...] = ("closure", "init", "xs")
+
+
+def scan_schedule(
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    *,
+    memory: int | str | Bytes,
+    policy: Policy = "auto",
+    length: int | None = None,
+    reverse: bool = False,
+    wrt: Sequence[Literal["closure", "init", "xs"]] = _WRT,
+) -> Schedule:
+    """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``.
+
+    To see, draw or price the plan before compiling anything: the schedule is chosen
+    exactly as `memento.scan` chooses it when the gradient is traced (the same alpha
+    measured from the step's residuals, the same refit of the budget to the pools).
+    Traces ``f`` once, abstractly; runs nothing.
+
+    Args:
+        f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
+        memory, policy, length, reverse: as `memento.scan` (keyword-only here);
+            ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
+        wrt: what the gradient is taken with respect to, since alpha is measured from
+            the residuals of what is differentiated: any of ``"closure"`` (every float
+            array ``f`` closes over), ``"init"`` and ``"xs"`` (their float leaves).
+
+    Returns:
+        The `Schedule`; ``schedule.policy`` is the policy ``"auto"`` picked and
+        ``schedule.cost`` the forward evaluations of ``f`` per gradient. Under ``vmap``
+        `memento.scan` sizes one batch member: pass unbatched ``init`` and ``xs``.
+
+    Raises:
+        ValueError, TypeError: as `memento.scan`; ``memory=None``, an empty loop, or a
+            ``wrt`` outside ``("closure", "init", "xs")``.
+
+    Example:
+        >>> s = memento.loops.scan_schedule(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
+        >>> s.policy, s.cost  # doctest: +SKIP
+    """
+    name = "memento.loops.scan_schedule"
+    policy = check_policy(name, policy)
+    if isinstance(wrt, str) or not set(wrt) <= set(_WRT):
+        raise ValueError(
+            f"{name}: wrt must be a collection of 'closure', 'init' and 'xs', got {wrt!r}."
+        )
+    if memory is None:
+        raise ValueError(
+            f"{name}: memory=None is lax.scan, which keeps every step and follows no "
+            "schedule; pass a budget (slots, '256MiB' or memento.bytes_budget(n))."
+        )
+    budget = parse_memory(memory, name=name)
+    num_steps, x_leaves = _steps(xs, length, reverse, name=name)
+    if num_steps == 0:
+        raise ValueError(f"{name}: a scan of 0 steps runs lax.scan and has no schedule.")
+    body, _ = _trace(f, init, xs, x_leaves, name=name)
+    slots = to_slots(budget, nbytes(body.carry_avals), name=name)
+    body = body.restrict(
+        ["closure" in wrt] * len(body.consts),
+        ["init" in wrt] * len(body.carry_avals),
+        ["xs" in wrt] * len(body.x_avals),
+    )
+    _, schedule, _ = _plan(
+        body, num_steps=num_steps, slots=slots, policy=policy, name=name, rows=True
+    )
+    return schedule
+
+
+def _steps(xs, length, reverse: bool, *, name: str) -> tuple[int, list]:
+    """The number of steps, and the leaves of xs as arrays in the order they are scanned."""
+    x_leaves = jax.tree_util.tree_leaves(xs)
+    num_steps = _length(x_leaves, length, name=name)
+    x_leaves = [jnp.asarray(x) for x in x_leaves]
+    if reverse:
+        x_leaves = [jnp.flip(x, 0) for x in x_leaves]
+    return num_steps, x_leaves
+
+
+def _trace(f: Callable, init, xs, x_leaves, *, name: str) -> tuple[Body, list]:
+    """The `Body` of ``f`` for one step of xs, and init's leaves typed as its carry."""
+    init_leaves, init_tree = jax.tree_util.tree_flatten(init)
+    init_leaves = [jnp.asarray(c) for c in init_leaves]
+    x_tree = jax.tree_util.tree_structure(xs)
+    x_example = jax.tree_util.tree_unflatten(x_tree, [_slice_aval(x) for x in x_leaves])
+    body = make_body(f, jax.tree_util.tree_unflatten(init_tree, init_leaves), x_example, name=name)
+    return body, body.cast_carry(init_leaves)
+
+
 def _slice_aval(x):
     """The exact abstract value of one step's slice of ``x`` (see `_body._aval`)."""
     return jax.typeof(lax.index_in_dim(x, 0, keepdims=False))
 
 
-def _length(x_leaves, length) -> int:
+def _length(x_leaves, length, *, name: str) -> int:
     if any(getattr(x, "ndim", 0) == 0 for x in x_leaves):
-        raise ValueError(f"{_NAME}: every leaf of xs needs a leading axis to scan over.")
+        raise ValueError(f"{name}: every leaf of xs needs a leading axis to scan over.")
     lengths = {int(x.shape[0]) for x in x_leaves}
     if len(lengths) > 1:
         raise ValueError(
-            f"{_NAME}: the leaves of xs have different leading lengths {sorted(lengths)}; "
+            f"{name}: the leaves of xs have different leading lengths {sorted(lengths)}; "
             "they must all have the same."
         )
     if length is not None:
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise TypeError(f"{_NAME}: length must be a non-negative int, got {length!r}.")
+            raise TypeError(f"{name}: length must be a non-negative int, got {length!r}.")
         if lengths and lengths != {length}:
             raise ValueError(
-                f"{_NAME}: length={length} does not match the leading length {lengths.pop()} of xs."
+                f"{name}: length={length} does not match the leading length {lengths.pop()} of xs."
             )
         return length
     if not lengths:
-        raise ValueError(f"{_NAME}: with xs=None, pass length= (the number of steps).")
+        raise ValueError(f"{name}: with xs=None, pass length= (the number of steps).")
     return lengths.pop()
 
 
@@ -178,30 +255,41 @@ def _compile(schedule: Schedule) -> Program:
 RECURSION_MIN_STEPS = 2**19
 
 
-def _plan(body: Body, *, num_steps: int, slots: int, policy: str):
-    """The residuals, and the program for a body differentiated as ``body`` says.
+def _plan(
+    body: Body,
+    *,
+    num_steps: int,
+    slots: int,
+    policy: Policy,
+    name: str = _NAME,
+    rows: bool = False,
+):
+    """The residuals, schedule and program for a body differentiated as ``body`` says.
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated.
-    Returns ``(spec, None)`` when the schedule is HSM's, run by the recursion on the
-    device. Otherwise the pools must fit the budget: when their layout cannot share memory
-    exactly as the schedule does (several dtypes, or the shaped layout of several devices,
-    see `_pool.Pools`), the schedule is planned again for fewer slots until they fit.
+    An HSM scan of `RECURSION_MIN_STEPS` or more runs as the recursion: no program, and
+    no schedule unless ``rows`` (then the HSM schedule, whose evaluations it makes).
+    Otherwise the pools must fit the budget: when their layout cannot share memory
+    exactly as the schedule does (several dtypes, or the shaped layout of several
+    devices, see `_pool.Pools`), the schedule is planned again for fewer slots until they
+    fit.
     """
     spec = body.residual_spec()
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
-    chosen = choose_policy(num_steps, slots, alpha, policy, name=_NAME)
+    chosen = choose_policy(num_steps, slots, alpha, policy, name=name)
     if chosen == "hsm" and num_steps >= RECURSION_MIN_STEPS:
-        return spec, None
+        schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
+        return spec, schedule, None
     m = slots
     while True:
-        schedule = choose_schedule(num_steps, m, alpha, chosen, name=_NAME)
+        schedule = choose_schedule(num_steps, m, alpha, chosen, name=name)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes
         if used <= allowed or m == 1:
-            return spec, prog
+            return spec, schedule, prog
         m = max(1, min(m - 1, m * allowed // used))
 
 
@@ -219,7 +307,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, budget: int,
         # symbolic_zeros: each argument comes with whether it is perturbed (needs a
         # cotangent); only what is perturbed, or depends on it, is differentiated.
         b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
-        spec, prog = plan(b)
+        spec, _, prog = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(

@@ -1,7 +1,7 @@
 """`memento.while_loop`: a reverse-differentiable while loop, checkpointed online.
 
 Forward pass: one ``lax.while_loop`` (bounded by ``max_steps`` when given) that keeps
-carries in ``memory - 1`` slots as the online policy of `memento.planning._online` says:
+carries in ``memory - 1`` slots as the online policy of `memento.planning.online_events` says:
 its decisions depend on the step index only, so they are a small table of events (keep
 ``h_p`` in slot j) read by a pointer, one comparison per step.
 
@@ -9,7 +9,7 @@ Backward pass: once n is known, the kept carries, in position order, form a stac
 (``h_0`` at the bottom), and `memento.loops._recursion.backward` back-propagates steps
 n-1 .. 0 by the binomial recursion over it (HSM, the split computed on device). Forward
 evaluations: ``n + sum_i C_hsm(L_i, memory - i)`` over the kept segments, exactly
-`memento.planning._online.online_evaluations`.
+`memento.planning.online_evaluations`.
 
 The program holds the body three times (primal loop forward, primal and VJP backward)
 whatever ``max_steps``: the plan is data (the event table) or computed on device.
@@ -26,10 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import core as jax_core
-from jax import lax
+from jax import core as jax_core, lax
 
-from ..planning import _online
+from ..planning import online_events
 from . import _recursion
 from ._body import (
     Body,
@@ -42,6 +41,7 @@ from ._body import (
     nbytes,
     refuse_reverse_over_reverse,
     split,
+    structure_error,
 )
 from ._budget import Bytes, parse_memory, to_slots
 
@@ -76,7 +76,7 @@ def while_loop(
     kept. The compiled program does not grow with ``max_steps``.
 
     Forward evaluations of ``body_fun`` for n steps are ``online_evaluations(memory, n)``
-    of `memento.planning._online`: ``2n`` up to ``memory`` steps, the online optimum of
+    of `memento.planning`: ``2n`` up to ``memory`` steps, the online optimum of
     Stumm and Walther's algorithm I (``3n - memory``) up to ``binom(memory + 2, 2) - 1``
     steps, and beyond within 6% of the offline optimum ``memento.plan(n, memory).cost``
     (measured for 20 <= n <= 10^4, memory in {8, 16, 30}); never more than Equinox's
@@ -160,14 +160,10 @@ def while_loop(
         stand_ins = [_Buffer(j, a) for j, a in enumerate(buffer_avals)]
         full = _merge_buffers(c, stand_ins, is_buffer)
         out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(
-            out, is_leaf=lambda x: isinstance(x, _Buffer)
-        )
+        is_stand_in = lambda x: isinstance(x, _Buffer)  # noqa: E731
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_stand_in)
         if out_tree != init_tree:
-            raise TypeError(
-                f"{_NAME}: the body's output carry has structure {out_tree}, but the input "
-                f"carry has structure {init_tree}; return a carry of the same structure."
-            )
+            raise structure_error(_NAME, init_tree, out, is_leaf=is_stand_in)
         new_c, ys = [], []
         writes.clear()
         j = 0
@@ -189,7 +185,9 @@ def while_loop(
             j += 1
         return new_c, ys
 
-    body = make_body(as_step, carry0, None, name=_NAME)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
+    paths = [p for p, b in zip(paths, is_buffer) if not b]
+    body = make_body(as_step, carry0, None, name=_NAME, carry_paths=paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
@@ -212,8 +210,7 @@ def while_loop(
             stacklevel=2,
         )
         slots = _MAX_POLICY_SLOTS
-    cap = steps if steps is not None else _online.DEFAULT_CAP
-    events = _online.online_events(slots, max(cap, 1))
+    events = online_events(slots, None if steps is None else max(steps, 1))
 
     run = _differentiable_run(
         body, cond_jaxpr, len(cond_consts), slots, steps, events, is_buffer, write_spec
@@ -373,7 +370,7 @@ def _differentiable_run(
     row_pos = events.pos.astype(np.int32)
     row_slot = events.slot.astype(np.int32)
     row_store = events.store
-    max_t = (steps if steps is not None else _online.DEFAULT_CAP) + 1
+    max_t = (1 << 31) - 1 if steps is None else steps + 1  # the step counter is int32
 
     def cond(cond_consts, c, bufs):
         full = _merge_buffers(c, bufs, is_buffer)

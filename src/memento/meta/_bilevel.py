@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ._fwdrev import Mode, check_mode, fwdrev_grad
 
 if TYPE_CHECKING:
-    from ..loops._budget import Policy
+    from ..planning import Policy
 
 _NAME = "memento.meta.inner_loop"
 # The checkpoint name of the inner gradient (seed 004, Listing 3).

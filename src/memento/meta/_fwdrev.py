@@ -54,7 +54,7 @@ def _normalise_argnums(argnums: Any) -> tuple[tuple[int, ...], bool]:
     ):
         return tuple(argnums), False
     raise TypeError(
-        f"fwdrev_grad: argnums must be an int or a non-empty tuple of ints, got {argnums!r}."
+        f"memento.fwdrev_grad: argnums must be an int or a non-empty tuple of ints, got {argnums!r}."
     )
 
 
@@ -123,8 +123,8 @@ def fwdrev_grad(
         (seed 004), section 3 and Listing 1.
     """
     if not callable(loss_fn):
-        raise TypeError(f"fwdrev_grad: loss_fn must be callable, got {loss_fn!r}.")
-    check_mode(mode, "fwdrev_grad")
+        raise TypeError(f"memento.fwdrev_grad: loss_fn must be callable, got {loss_fn!r}.")
+    check_mode(mode, "memento.fwdrev_grad")
     nums, single = _normalise_argnums(argnums)
     if mode == "revrev":
         return jax.grad(loss_fn, argnums, has_aux=has_aux)
@@ -134,7 +134,7 @@ def fwdrev_grad(
         n = len(args)
         if any(a >= n or a < -n for a in nums):
             raise ValueError(
-                f"fwdrev_grad: argnums={argnums!r} is out of range for a call with "
+                f"memento.fwdrev_grad: argnums={argnums!r} is out of range for a call with "
                 f"{n} positional arguments."
             )
         pos = tuple(a % n for a in nums)
@@ -148,7 +148,7 @@ def fwdrev_grad(
             bad = [leaves[i] for i in group if not _is_float(leaves[i])]
             if bad:
                 raise TypeError(
-                    f"fwdrev_grad: argument {a} is differentiated (argnums={argnums!r}) "
+                    f"memento.fwdrev_grad: argument {a} is differentiated (argnums={argnums!r}) "
                     f"but has a leaf of dtype {jnp.result_type(bad[0])}; gradients need "
                     "float leaves. Pass it as a non-differentiated argument instead."
                 )

@@ -1,39 +1,57 @@
 """Optimal checkpointing policies (Gruslys et al. 2016) as explicit schedules. NumPy only.
 
-Planners: `plan`, `cost_table`, `plan_chain`; `msm_estimate_s` predicts how long `plan`
-takes for MSM. Baselines, flat in this namespace and in ``memento``, each a replayed
-`Schedule` under the same memory model: `store_all` (plain BPTT), `store_none`,
-`chen_sqrt`, `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports
-any schedule's memory saved and predicted time.
+Planners: `plan` (``policy="auto"`` is `memento.scan`'s choice, by `predicted_work`),
+`cost_table`, `plan_chain`; `plan_estimate` and `msm_estimate_s` predict how long `plan`
+takes. Closed forms: `hsm_cost`, `ism_cost` and their splits. Online checkpointing (for
+`memento.while_loop`, whose length is unknown): `online_events`, `online_evaluations`.
+Baselines, flat in this namespace and in ``memento``, each a replayed `Schedule` under
+the same memory model: `store_all` (plain BPTT), `store_none`, `chen_sqrt`,
+`chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports any
+schedule's memory saved and predicted time.
 """
 
-from ._baselines import BpttComparison as BpttComparison
-from ._baselines import chen_recursive as chen_recursive
-from ._baselines import chen_sqrt as chen_sqrt
-from ._baselines import compare_to_bptt as compare_to_bptt
-from ._baselines import revolve as revolve
-from ._baselines import revolve_cost as revolve_cost
-from ._baselines import store_all as store_all
-from ._baselines import store_none as store_none
+from ._auto import (
+    INTERNAL_STATE_CHARGE as INTERNAL_STATE_CHARGE,
+    Policy as Policy,
+    auto_policy as auto_policy,
+    check_policy as check_policy,
+    predicted_work as predicted_work,
+)
+from ._baselines import (
+    BpttComparison as BpttComparison,
+    chen_recursive as chen_recursive,
+    chen_sqrt as chen_sqrt,
+    compare_to_bptt as compare_to_bptt,
+    revolve as revolve,
+    revolve_cost as revolve_cost,
+    store_all as store_all,
+    store_none as store_none,
+)
 from ._chain import plan_chain as plan_chain
-from ._closed import hsm_cost as hsm_cost
-from ._closed import hsm_split as hsm_split
-from ._closed import ism_cost as ism_cost
-from ._dp import cost_table as cost_table
-from ._dp import plan as plan
-from ._dp import plan_estimate as plan_estimate
+from ._closed import (
+    hsm_cost as hsm_cost,
+    hsm_split as hsm_split,
+    ism_column as ism_column,
+    ism_cost as ism_cost,
+    ism_split as ism_split,
+)
+from ._dp import (
+    cost_table as cost_table,
+    plan as plan,
+    plan_estimate as plan_estimate,
+)
 from ._msm import msm_estimate_s as msm_estimate_s
+from ._online import (
+    OnlineEvents as OnlineEvents,
+    checkpoints_at as checkpoints_at,
+    online_evaluations as online_evaluations,
+    online_events as online_events,
+)
 from ._schedule import (
     Op as Op,
-)
-from ._schedule import (
     Schedule as Schedule,
-)
-from ._schedule import (
     ScheduleError as ScheduleError,
-)
-from ._schedule import (
     SimulationResult as SimulationResult,
+    simulate as simulate,
+    stack_depths as stack_depths,
 )
-from ._schedule import simulate as simulate
-from ._schedule import stack_depths as stack_depths

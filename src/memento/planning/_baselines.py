@@ -142,7 +142,7 @@ def store_all(num_steps: int, *, alpha: int | None = None, beta: int | None = No
     Returns:
         A `Schedule` with ``cost == num_steps`` and ``memory == num_steps * beta``.
     """
-    where = "memento.planning.store_all"
+    where = "memento.store_all"
     t = _check_int("num_steps", num_steps, 1, where)
     alpha, beta = _check_sizes(alpha, beta, where)
     rows = _Rows()
@@ -165,7 +165,7 @@ def store_none(num_steps: int) -> Schedule:
     Returns:
         A `Schedule` with ``cost == t * (t + 1) // 2`` and ``memory == 1``.
     """
-    t = _check_int("num_steps", num_steps, 1, "memento.planning.store_none")
+    t = _check_int("num_steps", num_steps, 1, "memento.store_none")
     rows = _Rows()
     _reverse_from(rows, INITIAL, 0, t)
     return rows.schedule(t, "store_none")
@@ -205,7 +205,7 @@ def chen_sqrt(
     Returns:
         A `Schedule` with ``cost == 2 t - (length of the last segment)``.
     """
-    where = "memento.planning.chen_sqrt"
+    where = "memento.chen_sqrt"
     t = _check_int("num_steps", num_steps, 1, where)
     alpha, beta = _check_sizes(alpha, beta, where)
     if segment_length is None:
@@ -252,7 +252,7 @@ def chen_recursive(num_steps: int, *, k: int = 1) -> Schedule:
         A hidden-states-only `Schedule`; its cost is never below HSM's optimum at the same
         memory.
     """
-    where = "memento.planning.chen_recursive"
+    where = "memento.chen_recursive"
     t = _check_int("num_steps", num_steps, 1, where)
     k = _check_int("k", k, 1, where)
     rows = _Rows()
@@ -307,7 +307,7 @@ def revolve_cost(num_steps: int, snaps: int) -> int:
     Returns:
         The paper's C_hsm(t, m) as an ``int``.
     """
-    where = "memento.planning.revolve_cost"
+    where = "memento.revolve_cost"
     t = _check_int("num_steps", num_steps, 1, where)
     m = _check_int("snaps", snaps, 1, where)
     r = _binomial_reps(t, m)
@@ -342,7 +342,7 @@ def revolve(num_steps: int, snaps: int) -> Schedule:
         A `Schedule` with ``cost == revolve_cost(num_steps, snaps)`` and ``memory <=
         snaps``.
     """
-    where = "memento.planning.revolve"
+    where = "memento.revolve"
     t = _check_int("num_steps", num_steps, 1, where)
     m = _check_int("snaps", snaps, 1, where)
     rows = _Rows()
@@ -415,7 +415,7 @@ def compare_to_bptt(schedule: Schedule, *, backward_cost: float = 2.0) -> BpttCo
     Raises:
         NotImplementedError: for heterogeneous chains.
     """
-    where = "memento.planning.compare_to_bptt"
+    where = "memento.compare_to_bptt"
     if not isinstance(schedule, Schedule):
         raise TypeError(f"{where}: expected a Schedule, got {type(schedule).__name__}.")
     if schedule.hidden_sizes is not None or schedule.internal_sizes is not None:

@@ -29,19 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._dp import (
-    _ADV,
-    _BACK_I,
-    _BIG,
-    _FREE_H,
-    _FREE_I,
-    _FUSED,
-    _LOAD_H,
-    _LOAD_I,
-    _SAVE_H,
-    _SAVE_I,
-)
-from ._schedule import Schedule
+from ._dp import _leaf_rows, _split
+from ._msm import _BIG
+from ._schedule import _FUSED, _LOAD_H, Schedule
 
 __all__ = ["plan_chain"]
 
@@ -133,37 +123,19 @@ def _emit_chain(n: int, budget: int, tables) -> np.ndarray:
         if node[0] is None:
             ext(node[1])
             continue
-        b, t, e, hd, idp, bop, barg = node
+        b, t, e, _, _, bop, barg = node
         kind = int(choice[b, t, e])
         if kind == _ONE:
             ext((_FUSED, 0, b))
             continue
-        if kind == _NONE:
-            ext((_ADV, t - 1, b, _FUSED, 0, b + t - 1))
-            for p in range(t - 2, 0, -1):
-                ext((bop, barg, b, _ADV, p, b, _FUSED, 0, b + p))
-            ext((bop, barg, b, _FUSED, 0, b))
+        if kind == _NONE:  # eq. 24: recompute from the base for each step
+            ext(_leaf_rows("quadratic", t, b, 0, bop, barg).ravel().tolist())
             continue
         y = int(split[b, t, e])
-        if kind == _HID:
-            p = b + y
-            ext((_ADV, y, b, _SAVE_H, hd, p))
-            stack.append((b, y, e, hd, idp, bop, barg))
-            stack.append((None, (_FREE_H, hd, p, bop, barg, b)))
-            stack.append((p, t - y, e - s[p], hd + 1, idp, _LOAD_H, hd))
-            continue
-        p = b + y - 1
-        size = i[p] - (s[b] if y == 1 else 0)
-        if y > 1:
-            ext((_ADV, y - 1, b))
-        ext((_SAVE_I, idp, p))
-        if y > 1:
-            stack.append((b, y - 1, e, hd, idp, bop, barg))
-            stack.append((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
-        else:
-            stack.append((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
-        if t > y:
-            stack.append((p + 1, t - y, e - size, hd, idp + 1, _LOAD_I, idp))
+        if kind == _HID:  # the right part pays for h_{b+y}
+            _split(ext, stack.append, node, y, True, e - s[b + y])
+        else:  # internal state of step b+y-1, less its input when that is held (y = 1)
+            _split(ext, stack.append, node, y, False, e - i[b + y - 1] + (s[b] if y == 1 else 0))
     return np.array(out, dtype=np.int64).reshape(-1, 3)
 
 

@@ -28,18 +28,27 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable
-from typing import Literal, cast
 
 import numpy as np
 
+from ._auto import Policy, auto_uses_msm, check_policy, plan_auto
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
-from ._schedule import Op, Schedule, count_peak
+from ._schedule import (
+    _ADV,
+    _BACK_I,
+    _FREE_H,
+    _FREE_I,
+    _FUSED,
+    _LOAD_H,
+    _LOAD_I,
+    _SAVE_H,
+    _SAVE_I,
+    Schedule,
+    count_peak,
+)
 
 __all__ = ["cost_table", "plan", "plan_estimate"]
-
-Policy = Literal["hsm", "ism", "msm"]
-_POLICIES = ("hsm", "ism", "msm")
 
 _MSM_BUDGET_S = 120.0  # refuse work (MSM tables, rows, cost tables) estimated longer
 _MSM_BUDGET_BYTES = 4 * 2**30  # or larger than this (MSM tables: C, H, D, 13 B per cell)
@@ -54,17 +63,6 @@ _S_PER_STEP = 1.2e-6
 _S_PER_CELL = 5e-9
 
 Progress = Callable[[float], None]
-
-# Opcodes as plain ints (the emitter's inner loop is hot).
-_ADV = int(Op.ADVANCE)
-_SAVE_H = int(Op.SAVE_HIDDEN)
-_SAVE_I = int(Op.SAVE_INTERNAL)
-_LOAD_H = int(Op.LOAD_HIDDEN)
-_LOAD_I = int(Op.LOAD_INTERNAL)
-_BACK_I = int(Op.BACKWARD_INTERNAL)
-_FUSED = int(Op.BACKWARD_FUSED)
-_FREE_H = int(Op.FREE_HIDDEN)
-_FREE_I = int(Op.FREE_INTERNAL)
 
 
 # --------------------------------------------------------------------------- validation
@@ -81,12 +79,7 @@ def _int(fn: str, name: str, value, hint: str) -> int:
 
 def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, Policy, int, int]:
     """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
-    if not isinstance(policy, str) or policy not in _POLICIES:
-        raise ValueError(
-            f"{fn}: unknown policy {policy!r}; pass one of 'hsm' (hidden states), "
-            "'ism' (internal states) or 'msm' (mixed, needs alpha)"
-        )
-    policy = cast(Policy, policy)
+    policy = check_policy(fn, policy)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
     m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
     if t < 1:
@@ -101,16 +94,21 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
                 "policy='msm'"
             )
         return t, m, policy, 1, 1
-    if policy == "ism":
+    if policy in ("ism", "auto"):  # alpha defaults to 1, beta is alpha
         if beta is not None:
+            why = (
+                " (ISM never stores an internal state next to its input)"
+                if policy == "ism"
+                else "; 'auto' plans MSM with beta = alpha, as memento.scan does"
+            )
             raise ValueError(
-                f"{fn}: beta={beta!r} applies to policy='msm' only (ISM never stores an "
-                "internal state next to its input); drop beta or pass policy='msm'"
+                f"{fn}: beta={beta!r} applies to policy='msm' only{why}; drop beta or pass "
+                "policy='msm'"
             )
         a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
         if a < 1:
             raise ValueError(f"{fn}: alpha must be >= 1, got {a}")
-        if m < a:
+        if policy == "ism" and m < a:
             raise ValueError(
                 f"{fn}: memory={m} is below policy='ism''s minimum of one internal state "
                 f"(alpha={a} slots); pass memory >= {a}"
@@ -156,7 +154,8 @@ def plan_estimate(
     A model fitted on 2 shared CPU cores (`benchmarks/long.py` re-measures it): about
     1.2 us and 200 B per step to unroll the rows, plus the exact table's time and
     13 B per cell for MSM with alpha >= 2 (`msm_estimate_s`). `plan` refuses, before
-    doing any work, what is estimated above two minutes or 4 GiB.
+    doing any work, what is estimated above two minutes or 4 GiB. ``policy="auto"``
+    counts the rows of two plans and MSM's table when it plans MSM.
 
     Returns:
         ``(seconds, bytes)``.
@@ -170,6 +169,9 @@ def plan_estimate(
 def _estimate(t: int, m: int, policy: str, alpha: int, beta: int) -> tuple[float, int]:
     seconds = _S_PER_STEP * t
     nbytes = _PEAK_BYTES_PER_ROW * _ROWS_PER_STEP * t
+    if policy == "auto" and auto_uses_msm(t, m, alpha):  # HSM or ISM, then MSM
+        seconds *= 2
+        policy = "msm"
     if policy == "msm" and alpha > 1:
         m_eff = min(m, 1 + (t - 1) * alpha)
         seconds += msm_estimate_s(t, m_eff, alpha, beta)
@@ -257,6 +259,18 @@ def _build_leaf(kind: str, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _cached_leaf = functools.lru_cache(maxsize=2048)(_build_leaf)
 
 
+def _leaf_rows(kind: str, t: int, b: int, slot0: int, base_op: int, base_arg: int) -> np.ndarray:
+    """One leaf's rows at position ``b``, its slots from ``slot0``, its base loaded by
+    ``(base_op, base_arg)``: `_assemble`'s placement of one leaf (for the chain planner)."""
+    rows, slot, base = _leaf_template(kind, t)
+    rows = rows.copy()
+    rows[:, 2] += b
+    rows[slot, 1] += slot0
+    rows[base, 0] = base_op
+    rows[base, 1] = base_arg
+    return rows
+
+
 def _emit(
     num_steps: int,
     memory: int,
@@ -298,7 +312,7 @@ def _emit(
         if b is None:
             ext(node[1])
             continue
-        _, t, m, hd, idp, bop, barg = node
+        _, t, m, hd, idp, bop, barg = node  # b is None for rows, see the docstring
         ticks += 1
         if progress is not None and ticks % 4096 == 0:
             progress(1.0 - (b + t) / num_steps)
@@ -329,28 +343,39 @@ def _emit(
             else:
                 kind, y = int(kind_t[t, m]), int(split_t[t, m])
             mr = m - 1 if kind == _HIDDEN else m - (beta if y == 1 else alpha)
-        if kind == _HIDDEN:
-            # Q1 (eq. 1/6): advance y, push h_{b+y}, right part with m-1, pop, left part.
-            p = b + y
-            ext((_ADV, y, b, _SAVE_H, hd, p))
-            push((b, y, m, hd, idp, bop, barg))
-            push((None, (_FREE_H, hd, p, bop, barg, b)))
-            push((p, t - y, mr, hd + 1, idp, _LOAD_H, hd))
-        else:
-            # Q2 (eq. 4/7/10): advance y-1, keep step b+y-1's internal state (it holds
-            # h_{b+y}), right part, back-propagate that step from the slot, left part.
-            p = b + y - 1
-            if y > 1:
-                ext((_ADV, y - 1, b))
-            ext((_SAVE_I, idp, p))
-            if y > 1:
-                push((b, y - 1, m, hd, idp, bop, barg))
-                push((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
-            else:
-                push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
-            if t > y:
-                push((p + 1, t - y, mr, hd, idp + 1, _LOAD_I, idp))
+        _split(ext, push, node, y, kind == _HIDDEN, mr)
     return _assemble(np.array(out, dtype=np.int32).reshape(-1, 3), leaves)
+
+
+def _split(ext: Callable, push: Callable, node: tuple, y: int, hidden: bool, m_right: int):
+    """Emits the rows of a push at ``y`` and pushes its parts on the stack (right first).
+
+    Shared by `_emit` and the chain planner's emitter. ``node = (b, t, m, hd, idp, base_op,
+    base_arg)`` as in `_emit`; ``m_right`` is what the right part may use (``m`` less the
+    pushed state), in the caller's units; the left part keeps ``m``.
+    """
+    b, t, m, hd, idp, bop, barg = node
+    if hidden:
+        # Q1 (eq. 1/6): advance y, push h_{b+y}, right part with m-1, pop, left part.
+        p = b + y
+        ext((_ADV, y, b, _SAVE_H, hd, p))
+        push((b, y, m, hd, idp, bop, barg))
+        push((None, (_FREE_H, hd, p, bop, barg, b)))
+        push((p, t - y, m_right, hd + 1, idp, _LOAD_H, hd))
+        return
+    # Q2 (eq. 4/7/10): advance y-1, keep step b+y-1's internal state (it holds h_{b+y}),
+    # right part, back-propagate that step from the slot, left part.
+    p = b + y - 1
+    if y > 1:
+        ext((_ADV, y - 1, b))
+    ext((_SAVE_I, idp, p))
+    if y > 1:
+        push((b, y - 1, m, hd, idp, bop, barg))
+        push((None, (_BACK_I, idp, p, _FREE_I, idp, p, bop, barg, b)))
+    else:
+        push((None, (_BACK_I, idp, p, _FREE_I, idp, p)))
+    if t > y:
+        push((p + 1, t - y, m_right, hd, idp + 1, _LOAD_I, idp))
 
 
 def _peak(rows: np.ndarray, policy: str, alpha: int, beta: int, counts_initial: bool) -> int:
@@ -418,7 +443,9 @@ def plan(
     included), under the memory budget, by the dynamic programs of Gruslys et al. (2016).
     Pick ``"hsm"`` when only the carry is cheap to keep, ``"msm"`` when the step's
     residuals are at most ``alpha`` times the carry (it is never worse than HSM), and
-    ``"ism"`` to reproduce the paper's internal-state model.
+    ``"ism"`` to reproduce the paper's internal-state model. ``"auto"`` is what
+    `memento.scan` runs: of the three, the plan with the least predicted work (forward
+    evaluations plus a small charge per internal state stored, `predicted_work`).
 
     Args:
         num_steps: t, the number of steps (>= 1).
@@ -427,9 +454,12 @@ def plan(
             internal-state slots and ``h_0`` is free, as in the paper's section 3.2.
         policy: ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
             ``"ism"`` (section 3.2: internal states only, C(t,m) = t for m >= t) or
-            ``"msm"`` (sections 3.3-3.4: either, per push).
+            ``"msm"`` (sections 3.3-3.4: either, per push), or ``"auto"``: the HSM, ISM
+            or MSM (with ``beta = alpha``) plan of least `predicted_work`; MSM only
+            with ``alpha >= 2`` and when its table takes about a second at most. The
+            returned schedule's ``policy`` says which.
         alpha: slots one internal state takes; required for ``"msm"``, default 1 for
-            ``"ism"``, not accepted for ``"hsm"``.
+            ``"ism"`` and ``"auto"``, not accepted for ``"hsm"``.
         beta: slots an internal state takes when its input state is already held
             (section 3.4); ``"msm"`` only, ``1 <= beta <= alpha``, default ``alpha``.
         progress: called now and then with the fraction of the work done (0 to 1), for
@@ -453,6 +483,8 @@ def plan(
         (24, 24)
         >>> memento.plan(1000, 50, policy="ism").cost_per_step
         1.95
+        >>> memento.plan(1000, 50, policy="auto", alpha=3).policy
+        'msm'
 
     Notes:
         Planning time: HSM and ISM use closed forms (t = 100,000, m = 100 in tens of ms);
@@ -466,6 +498,14 @@ def plan(
     """
     fn = "memento.plan"
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
+    if policy == "auto":
+
+        def exact(p: str, a: int | None) -> Schedule:
+            # Progress is shown for the HSM or ISM rows; MSM, when planned, is quick.
+            shown = progress if p != "msm" else None
+            return plan(t, m, policy=p, alpha=a, progress=shown)  # pyright: ignore[reportArgumentType]
+
+        return plan_auto(t, m, alpha, exact)
     seconds, nbytes = _estimate(t, m, policy, alpha, beta)
     if policy != "msm" or alpha == 1:  # MSM's tables are checked below, with a hint
         _refuse_if_too_large(
@@ -540,7 +580,7 @@ def cost_table(
         C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
 
     Raises:
-        ValueError: as `plan`'s, and a table estimated to take more than two minutes or
+        ValueError: as `plan`'s, ``policy="auto"`` (no single table), and a table estimated to take more than two minutes or
             4 GiB (8 B per entry), refused before any work with the estimate.
 
     Examples:
@@ -553,6 +593,11 @@ def cost_table(
     """
     fn = "memento.cost_table"
     t, m, policy, alpha, beta = _check(fn, max_steps, max_memory, policy, alpha, beta)
+    if policy == "auto":
+        raise ValueError(
+            f"{fn}: policy='auto' picks a policy per plan, so it has no single table of "
+            "costs; pass policy='hsm', 'ism' or 'msm'"
+        )
     cells = (t + 1) * (m + 1)
     _refuse_if_too_large(
         fn,

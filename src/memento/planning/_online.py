@@ -179,9 +179,17 @@ def _next_keep(c: int, kept: list[int], p: int, horizon: int) -> int:
     return max(p + 1, horizon)
 
 
+def online_events(memory: int, cap: int | None = None) -> OnlineEvents:
+    """Runs the online policy for positions ``p < cap`` and records its events.
+
+    ``cap=None``: up to the int32 step counter's limit (a loop without ``max_steps``).
+    Cached per ``(memory, cap)``.
+    """
+    return _events(memory, DEFAULT_CAP if cap is None else cap)
+
+
 @functools.lru_cache(maxsize=64)
-def online_events(memory: int, cap: int = DEFAULT_CAP) -> OnlineEvents:
-    """Runs the online policy for positions ``p < cap`` and records its events."""
+def _events(memory: int, cap: int) -> OnlineEvents:
     c = memory
     rows: list[tuple[int, int, bool]] = []
     free = list(range(c - 2, -1, -1))  # physical slots, popped from the end

@@ -69,6 +69,18 @@ class Op(enum.IntEnum):
     FREE_INTERNAL = 8
 
 
+# Opcodes as plain ints, for the planners' emitters (their inner loops are hot).
+_ADV = int(Op.ADVANCE)
+_SAVE_H = int(Op.SAVE_HIDDEN)
+_SAVE_I = int(Op.SAVE_INTERNAL)
+_LOAD_H = int(Op.LOAD_HIDDEN)
+_LOAD_I = int(Op.LOAD_INTERNAL)
+_BACK_I = int(Op.BACKWARD_INTERNAL)
+_FUSED = int(Op.BACKWARD_FUSED)
+_FREE_H = int(Op.FREE_HIDDEN)
+_FREE_I = int(Op.FREE_INTERNAL)
+
+
 INITIAL = -1  # the hidden "slot" of h_0, always held by the caller
 
 
@@ -207,7 +219,9 @@ def simulate(s: Schedule) -> SimulationResult:
     sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
 
     def fail(i: int, msg: str):
-        raise ScheduleError(f"row {i} {tuple(int(v) for v in s.actions[i])}: {msg}")
+        raise ScheduleError(
+            f"memento.simulate: row {i} {tuple(int(v) for v in s.actions[i])}: {msg}"
+        )
 
     # Positions held right now, counted so that each check is O(1): h_p in a hidden slot,
     # or h_{p} as the output of an internal slot holding step p-1.
@@ -332,7 +346,7 @@ def simulate(s: Schedule) -> SimulationResult:
         if used > s.memory:
             fail(i, f"{used} slots in use, over the budget of {s.memory}")
     if expect != -1:
-        raise ScheduleError(f"steps 0..{expect} were never back-propagated")
+        raise ScheduleError(f"memento.simulate: steps 0..{expect} were never back-propagated")
     assert sweep_end is not None
     return SimulationResult(
         forward_evaluations=evals,

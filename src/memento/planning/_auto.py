@@ -1,0 +1,106 @@
+"""The policy type, its validation, and ``policy="auto"``: the fastest plan that fits.
+
+``"auto"`` is what `memento.scan` runs by default and what ``memento plan`` reports: of
+HSM, ISM and MSM (Gruslys et al. 2016), the plan with the least `predicted_work` for
+``num_steps`` steps in ``memory`` slots, given alpha, the slots one internal state takes.
+It is NumPy planner logic; the executors only measure alpha and call `plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal, cast
+
+import numpy as np
+
+from ._closed import hsm_cost, ism_cost
+from ._msm import msm_estimate_s
+from ._schedule import Op, Schedule
+
+__all__ = ["INTERNAL_STATE_CHARGE", "POLICIES", "Policy", "check_policy", "predicted_work"]
+
+Policy = Literal["auto", "hsm", "ism", "msm"]
+POLICIES: tuple[Policy, ...] = ("auto", "hsm", "ism", "msm")
+
+
+def check_policy(fn: str, policy) -> Policy:
+    """``policy`` if it is one of `POLICIES`, else a ValueError naming the function ``fn``.
+
+    The one place a policy is validated: `plan`, `cost_table`, `plan_estimate` and
+    `memento.scan` (before tracing) call it.
+    """
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(
+            f"{fn}: unknown policy {policy!r}; pass one of 'auto' (the least predicted "
+            "work of the three below), 'hsm' (hidden states), 'ism' (internal states) or "
+            "'msm' (mixed, needs alpha)"
+        )
+    return cast(Policy, policy)
+
+
+# "auto" skips MSM when its exact table is estimated to take longer than this to plan:
+# HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
+_MSM_AUTO_SECONDS = 1.0
+
+# What "auto" charges for storing one internal state, in forward evaluations. Measured
+# (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a step's
+# residuals to the word pool and reading them back costs about 0.15 of a forward.
+INTERNAL_STATE_CHARGE = 0.25
+
+
+def predicted_work(schedule: Schedule) -> float:
+    """Forward evaluations plus `INTERNAL_STATE_CHARGE` per internal state stored.
+
+    The paper counts forward evaluations only; "auto" minimises this instead, so that a
+    plan storing internal states must save more than their memory traffic. With a byte
+    pool the charge was about one forward (bitcasts that add a byte axis are not free in
+    XLA:CPU) and MSM never won; with the word pool it is a fraction (see
+    ``memento.loops._pool``).
+    """
+    saves = int(np.count_nonzero(schedule.actions[:, 0] == Op.SAVE_INTERNAL))
+    return schedule.cost + INTERNAL_STATE_CHARGE * saves
+
+
+def auto_uses_msm(num_steps: int, memory: int, alpha: int) -> bool:
+    """Whether "auto" plans MSM too: alpha >= 2 and its exact table is quick to fill."""
+    return alpha > 1 and msm_estimate_s(num_steps, memory, alpha, alpha) <= _MSM_AUTO_SECONDS
+
+
+def auto_policy(
+    num_steps: int, memory: int, alpha: int, exact: Callable[[str, int | None], Schedule]
+) -> Policy:
+    """The policy of least `predicted_work` among HSM, ISM and MSM (beta = alpha).
+
+    ``exact(policy, alpha)`` plans one policy for these ``num_steps`` and ``memory`` (it is
+    `plan`; taken as an argument so that this module does not import the DP's). HSM and
+    ISM are priced from their closed forms (ISM stores every step's internal state once:
+    t saves) and planned only to break an exact tie with MSM, by peak memory; MSM, when
+    cheap enough to plan, is planned and priced from its rows. So an HSM pick costs no
+    rows at all, and `memento.scan` can run it without any (`memento.loops._recursion`).
+    """
+    hsm_work = float(hsm_cost(num_steps, memory))
+    ism_work = (
+        ism_cost(num_steps, memory // alpha) + INTERNAL_STATE_CHARGE * num_steps
+        if memory >= alpha
+        else math.inf
+    )
+    best, work = ("hsm", hsm_work) if hsm_work <= ism_work else ("ism", ism_work)
+    if auto_uses_msm(num_steps, memory, alpha):
+        msm = exact("msm", alpha)
+        msm_work = predicted_work(msm)
+        if msm_work < work or (
+            msm_work == work
+            and msm.peak_memory < exact(best, None if best == "hsm" else alpha).peak_memory
+        ):
+            best = "msm"
+    return best
+
+
+def plan_auto(
+    num_steps: int, memory: int, alpha: int, exact: Callable[[str, int | None], Schedule]
+) -> Schedule:
+    """The schedule of `auto_policy`'s pick. All three policies fit the budget exactly:
+    the executor stores every state in one stack-allocated pool."""
+    policy = auto_policy(num_steps, memory, alpha, exact)
+    return exact(policy, None if policy == "hsm" else alpha)

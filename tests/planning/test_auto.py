@@ -1,0 +1,64 @@
+"""``plan(..., policy="auto")``: the least predicted work of HSM, ISM and MSM."""
+
+import pytest
+
+import memento
+from memento.planning import INTERNAL_STATE_CHARGE, plan, plan_estimate, predicted_work
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 30, 120])
+@pytest.mark.parametrize("m", [1, 2, 4, 9, 40])
+@pytest.mark.parametrize("alpha", [1, 2, 3, 6])
+def test_auto_is_the_least_predicted_work(t, m, alpha):
+    got = plan(t, m, policy="auto", alpha=alpha)
+    candidates = [plan(t, m, policy="hsm"), plan(t, m, policy="msm", alpha=alpha)]
+    if m >= alpha:
+        candidates.append(plan(t, m, policy="ism", alpha=alpha))
+    if alpha == 1:  # MSM is not planned: with alpha = 1 it is ISM's recursion
+        candidates.pop(1)
+    best = min(predicted_work(s) for s in candidates)
+    assert predicted_work(got) == best
+    assert got.simulate().peak_memory <= m + (got.policy == "ism")  # ISM's h_0 is free
+    assert got.alpha == (1 if got.policy == "hsm" else alpha)
+
+
+def test_predicted_work_charges_internal_states():
+    s = plan(10, 10, policy="ism")
+    assert predicted_work(s) == s.cost + 10 * INTERNAL_STATE_CHARGE
+    assert predicted_work(plan(10, 4)) == plan(10, 4).cost
+
+
+def test_auto_defaults_alpha_to_one():
+    a, b = plan(50, 5, policy="auto"), plan(50, 5, policy="auto", alpha=1)
+    assert (a.policy, a.alpha, a.cost) == (b.policy, b.alpha, b.cost) == ("ism", 1, 125)
+    assert plan_estimate(1000, 50, policy="auto", alpha=3)[0] > 0
+
+
+@pytest.mark.parametrize(
+    "call,exc,pattern",
+    [
+        (
+            lambda: plan(10, 4, policy="auto", beta=2),
+            ValueError,
+            "memento.plan: beta=2 applies to policy='msm' only; 'auto' plans MSM with beta",
+        ),
+        (
+            lambda: plan(10, 4, policy="auto", alpha=0),
+            ValueError,
+            "memento.plan: alpha must be >= 1, got 0",
+        ),
+        (
+            lambda: memento.cost_table(10, 4, policy="auto"),
+            ValueError,
+            "memento.cost_table: policy='auto' picks a policy per plan",
+        ),
+        (
+            lambda: plan(10, 4, policy="fastest"),
+            ValueError,
+            "memento.plan: unknown policy 'fastest'; pass one of 'auto'",
+        ),
+    ],
+)
+def test_auto_bad_input(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
