@@ -296,14 +296,16 @@ def _inner_loop(saves_per_step: int | None) -> Callable:
         logs = [x for x in out if _is_log(x)]
         if capacity < max_steps:
             # A step that passed more save times than the log holds would leave the rest
-            # to the next step, which would extrapolate them: refuse it instead.
-            logs[0].values = eqx.error_if(
-                logs[0].values,
+            # to the next step, which would extrapolate them: refuse it instead. (On every
+            # buffer's values: a check is dropped with the outputs it is threaded on.)
+            values = eqx.error_if(
+                [log.values for log in logs],
                 full,
                 f"{_NAME}: a solver step passed more than saves_per_step={saves_per_step} "
                 "of the SaveAt(ts=...) times; raise saves_per_step, or leave it None "
                 "(room for every time).",
             )
+            logs = [_Log(v, log.index, log.count) for v, log in zip(values, logs)]
         # Each stand-in takes its log in one write: the rows used, and the extra row.
         written = iter(s.at[log.index].set(log.values) for s, log in zip(stand_ins, logs))
         return jtu.tree_unflatten(treedef, [next(written) if _is_log(x) else x for x in out])
