@@ -22,6 +22,7 @@ EXAMPLES = {
     "flax_nnx_rnn.py": ("flax", ["--small"]),
     "flax_linen_rnn.py": ("flax", ["--small"]),
     "optax_meta.py": ("optax", ["--small"]),
+    "diffrax_neural_ode.py": ("diffrax", ["--small"]),
     "maml.py": ("optax", TRANSFORMER),
     "meta_learning_rates.py": ("optax", TRANSFORMER),
     "loss_weighting.py": ("optax", TRANSFORMER),
@@ -42,6 +43,8 @@ def test_example_runs(script, capsys):
     assert re.search(r"(outer|train) step +0:", out), out
     # The scripts that compare memento's gradient with the stored-everything one.
     if match := re.search(r"max \|grad - lax.scan grad\| = (\S+)", out):
+        assert float(match.group(1)) < 1e-5
+    if match := re.search(r"max \|grad - RecursiveCheckpointAdjoint grad\| = (\S+)", out):
         assert float(match.group(1)) < 1e-5
     if match := re.search(r"meta-gradient (\S+) with memory=\d+, (\S+) storing", out):
         assert float(match.group(1)) == pytest.approx(float(match.group(2)), rel=1e-5)

@@ -1,8 +1,8 @@
 """memento: reverse-mode gradients through long loops, under a memory budget.
 
 ``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
-`bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `chain` where the installed version
-has it) load on first use, through the module ``__getattr__`` below; type checkers read
+`bytes_budget`, `fwdrev_grad`, `meta`, `loops`, `diffrax`, and `chain` where the installed
+version has it) load on first use, through the module ``__getattr__`` below; type checkers read
 their real signatures from the ``TYPE_CHECKING`` imports.
 """
 
@@ -31,7 +31,7 @@ from .planning import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at runtime)
-    from . import loops as loops, meta as meta
+    from . import diffrax as diffrax, loops as loops, meta as meta
     from .loops import (
         bytes_budget as bytes_budget,
         # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it
@@ -51,6 +51,8 @@ _LAZY = {
     "fwdrev_grad": ("memento.meta", "fwdrev_grad"),
     "meta": ("memento.meta", None),
     "loops": ("memento.loops", None),
+    # needs Diffrax (pip install "memento[diffrax]"); the ImportError says so
+    "diffrax": ("memento.diffrax", None),
 }
 
 

@@ -1,0 +1,275 @@
+"""memento.diffrax.CheckpointAdjoint against Diffrax's own adjoints, in float64."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+diffrax = pytest.importorskip("diffrax")
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from memento.diffrax import CheckpointAdjoint  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+T1 = 4.0
+RCA = diffrax.RecursiveCheckpointAdjoint
+
+
+def field(t, y, a):
+    """A damped Duffing oscillator, forced in time: y = (position, velocity)."""
+    x, v = y
+    return jnp.stack([v, -a[0] * x - a[1] * v - a[2] * x**3 + 0.3 * jnp.cos(t)])
+
+
+Y0 = np.array([1.0, -0.5])
+ARGS = np.array([1.2, 0.15, 0.4])
+
+
+def solve(y0, a, adjoint, *, solver=None, saveat=None, controller=None, dt0=0.02, **kw):
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        solver or diffrax.Heun(),
+        0.0,
+        T1,
+        dt0,
+        y0,
+        a,
+        saveat=saveat or diffrax.SaveAt(t1=True),
+        stepsize_controller=controller or diffrax.ConstantStepSize(),
+        adjoint=adjoint,
+        **kw,
+    )
+
+
+def value_and_grads(adjoint, **kw):
+    """The loss and its gradient w.r.t. (y0, args), under jit."""
+
+    def loss(y0, a):
+        ys = solve(y0, a, adjoint, **kw).ys
+        w = jnp.cos(jnp.arange(ys.size, dtype=ys.dtype)).reshape(ys.shape)
+        return jnp.sum(w * ys**2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(Y0), jnp.asarray(ARGS))
+
+
+def assert_same(got, want):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("solver", [diffrax.Euler(), diffrax.Heun()], ids=["euler", "heun"])
+@pytest.mark.parametrize("memory", [1, 5, "2KiB"])
+def test_fixed_step_matches_recursive_checkpoint(solver, memory):
+    # 200 steps in 1, 5 or 2 KiB / (state size) slots: recomputation, same gradient.
+    got = value_and_grads(CheckpointAdjoint(memory=memory), solver=solver)
+    assert_same(got, value_and_grads(RCA(), solver=solver))
+    assert np.all(np.isfinite(got[1][1])) and np.any(got[1][1] != 0)
+
+
+def test_adaptive_tsit5_matches_recursive_checkpoint():
+    kw = dict(
+        solver=diffrax.Tsit5(),
+        controller=diffrax.PIDController(rtol=1e-8, atol=1e-8, pcoeff=0.3, icoeff=0.4),
+        dt0=0.1,
+    )
+    sol = solve(jnp.asarray(Y0), jnp.asarray(ARGS), CheckpointAdjoint(memory=6), **kw)
+    assert int(sol.stats["num_steps"]) > 30  # many more steps than slots, some rejected
+    assert int(sol.stats["num_rejected_steps"]) > 0
+    assert_same(value_and_grads(CheckpointAdjoint(memory=6), **kw), value_and_grads(RCA(), **kw))
+
+
+SAVE_TS = np.linspace(0.0, T1, 200)
+
+
+@pytest.mark.parametrize("saves_per_step", [None, 2])
+def test_saveat_ts_matches_recursive_checkpoint(saves_per_step):
+    # 200 save times over 200 steps of Heun, and adaptive Tsit5 (several times a step).
+    saveat = diffrax.SaveAt(ts=SAVE_TS)
+    adj = CheckpointAdjoint(memory=8, saves_per_step=saves_per_step)
+    assert_same(value_and_grads(adj, saveat=saveat), value_and_grads(RCA(), saveat=saveat))
+    if saves_per_step is None:
+        kw = dict(solver=diffrax.Tsit5(), controller=diffrax.PIDController(1e-6, 1e-6))
+        got = value_and_grads(adj, saveat=saveat, **kw)
+        assert_same(got, value_and_grads(RCA(), saveat=saveat, **kw))
+
+
+def test_saveat_subsaveat_tree_and_fn_matches_recursive_checkpoint():
+    # Two outputs (a tree of SubSaveAt), one through fn, and t0/t1 saves around the loop.
+    saveat = diffrax.SaveAt(
+        subs=(
+            diffrax.SubSaveAt(ts=SAVE_TS[::7], fn=lambda t, y, a: jnp.sin(y[0]) * y[1]),
+            diffrax.SubSaveAt(t0=True, t1=True, ts=SAVE_TS[3:50]),
+        )
+    )
+
+    def loss(adjoint):
+        def f(y0, a):
+            ys = solve(y0, a, adjoint, saveat=saveat).ys
+            return jnp.sum(ys[0] ** 2) + jnp.sum(jnp.cos(ys[1]))
+
+        return jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(Y0), jnp.asarray(ARGS))
+
+    assert_same(loss(CheckpointAdjoint(memory=4)), loss(RCA()))
+
+
+def test_saves_per_step_too_small_raises():
+    # dt0 = 0.2 passes 10 of the 200 save times per step; only ys is used (ts is dropped
+    # by dead-code elimination under jit, and the check must survive that).
+    adj = CheckpointAdjoint(memory=4, saves_per_step=2)
+
+    def loss(y0, a):
+        ys = solve(y0, a, adj, saveat=diffrax.SaveAt(ts=SAVE_TS), dt0=0.2).ys
+        return jnp.sum(ys**2)
+
+    # eqx.filter_jit shows Equinox's runtime message (jax.jit raises without it).
+    for f in (jax.value_and_grad(loss), eqx.filter_jit(loss)):
+        with pytest.raises(Exception, match=r"more than saves_per_step=2"):
+            jax.block_until_ready(f(jnp.asarray(Y0), jnp.asarray(ARGS)))
+
+
+def test_max_steps_none():
+    # Unbounded: memento's online policy in 8 slots; Diffrax needs checkpoints= for it.
+    kw = dict(solver=diffrax.Tsit5(), controller=diffrax.PIDController(1e-7, 1e-7), dt0=0.1)
+    got = value_and_grads(CheckpointAdjoint(memory=8), max_steps=None, **kw)
+    assert_same(got, value_and_grads(RCA(checkpoints=8), max_steps=None, **kw))
+    assert_same(got, value_and_grads(CheckpointAdjoint(memory=8), max_steps=4096, **kw))
+    with pytest.raises(ValueError, match=r"CheckpointAdjoint: memory=None .* max_steps"):
+        value_and_grads(CheckpointAdjoint(memory=None), max_steps=None, **kw)
+    # memory=None with a bound keeps every state (max_steps + 1 slots).
+    assert_same(value_and_grads(CheckpointAdjoint(memory=None), max_steps=400, **kw), got)
+
+
+def test_max_steps_reached_is_reported():
+    sol = solve(
+        jnp.asarray(Y0), jnp.asarray(ARGS), CheckpointAdjoint(memory=4), max_steps=50, throw=False
+    )
+    assert sol.result == diffrax.RESULTS.max_steps_reached
+
+
+def test_vmap_over_initial_conditions():
+    # Adaptive steps: each member takes its own number of steps.
+    y0s = jnp.asarray(Y0) * jnp.array([[1.0], [0.3], [2.0]])
+    saveat = diffrax.SaveAt(ts=SAVE_TS[::10])
+
+    def grads(adjoint):
+        def loss(y0, a):
+            kw = dict(solver=diffrax.Tsit5(), controller=diffrax.PIDController(1e-7, 1e-7))
+            sol = solve(y0, a, adjoint, saveat=saveat, **kw)
+            return jnp.sum(sol.ys**2), sol.stats["num_steps"]
+
+        g = jax.grad(loss, argnums=(0, 1), has_aux=True)
+        return jax.jit(jax.vmap(g, in_axes=(0, None)))(y0s, jnp.asarray(ARGS))
+
+    got, steps = grads(CheckpointAdjoint(memory=5))
+    want, steps_rca = grads(RCA())
+    assert len(set(np.asarray(steps).tolist())) > 1  # the batch members differ in steps
+    np.testing.assert_array_equal(steps, steps_rca)
+    assert_same(got, want)
+
+
+def test_event_matches_recursive_checkpoint():
+    # A terminating event (the position crosses 0.2), located by a root find after the loop.
+    event = diffrax.Event(lambda t, y, a, **kw: y[0] - 0.2, root_finder=None)
+    kw = dict(solver=diffrax.Tsit5(), controller=diffrax.PIDController(1e-8, 1e-8), event=event)
+    got = value_and_grads(CheckpointAdjoint(memory=4), **kw)
+    assert_same(got, value_and_grads(RCA(), **kw))
+    sol = solve(jnp.asarray(Y0), jnp.asarray(ARGS), CheckpointAdjoint(memory=4), **kw)
+    assert sol.result == diffrax.RESULTS.event_occurred
+
+
+def temp_bytes(adjoint, saveat, size):
+    """Compiled temporary memory of jit(grad) for a state of 2 x size (Heun, 200 steps)."""
+
+    def loss(y0, a):
+        return jnp.sum(solve(y0, a, adjoint, saveat=saveat, max_steps=200).ys ** 2)
+
+    y0 = jnp.ones((2, size))
+    f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return f.lower(y0, jnp.asarray(ARGS)).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("size", [1, 16])
+def test_memory_with_200_save_times_against_recursive_checkpoint(size):
+    saveat = diffrax.SaveAt(ts=SAVE_TS)
+    outputs = len(SAVE_TS) * 8 * (1 + 2 * size)  # ts and ys, float64
+    for slots in (8, 32):
+        rca = temp_bytes(RCA(checkpoints=slots), saveat, size)
+        # A log of 2 rows per step: within 10% of Diffrax at as many checkpoints (measured
+        # 1.03-1.04x; the rest is the log, the inner loop's 4 slots and memento's stack).
+        tight = temp_bytes(CheckpointAdjoint(memory=slots, saves_per_step=2), saveat, size)
+        assert tight <= 1.1 * rca, (slots, tight, rca)
+        # The default log has a row per save time: about two more output-sized arrays (the
+        # log and its cotangent; measured 1.4-2.0 outputs), documented in the class.
+        default = temp_bytes(CheckpointAdjoint(memory=slots), saveat, size)
+        assert default <= rca + 2.5 * outputs, (slots, default, rca, outputs)
+        assert tight < default
+
+
+def test_memory_grows_with_budget_not_steps():
+    saveat = diffrax.SaveAt(t1=True)
+
+    def temp(adjoint, steps):
+        def loss(y0):
+            kw = dict(dt0=T1 / steps, max_steps=steps, saveat=saveat)
+            return jnp.sum(solve(y0, jnp.asarray(ARGS), adjoint, **kw).ys ** 2)
+
+        f = jax.jit(jax.grad(loss))
+        return f.lower(jnp.ones((2, 64))).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(CheckpointAdjoint(memory=8), 100), temp(CheckpointAdjoint(memory=8), 4000)
+    assert large == small
+    assert temp(CheckpointAdjoint(memory=32), 4000) > large + 20 * 2 * 64 * 8
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"CheckpointAdjoint: memory=0 slots is too small"):
+        CheckpointAdjoint(memory=0)
+    with pytest.raises(ValueError, match=r"CheckpointAdjoint: cannot read memory='lots'"):
+        CheckpointAdjoint(memory="lots")
+    with pytest.raises(ValueError, match=r"saves_per_step must be None or an int >= 1"):
+        CheckpointAdjoint(memory=4, saves_per_step=0)
+    with pytest.raises(TypeError):
+        CheckpointAdjoint(4, 2)  # saves_per_step is keyword-only
+    y0, a = jnp.asarray(Y0), jnp.asarray(ARGS)
+    for saveat, what in [
+        (diffrax.SaveAt(steps=True), r"SaveAt\(steps=...\) is not supported"),
+        (diffrax.SaveAt(dense=True), r"SaveAt\(dense=True\) is not supported"),
+    ]:
+        with pytest.raises(NotImplementedError, match=what):
+            solve(y0, a, CheckpointAdjoint(memory=4), saveat=saveat)
+    bm = diffrax.UnsafeBrownianPath(shape=(), key=jax.random.key(0))
+    terms = diffrax.MultiTerm(
+        diffrax.ODETerm(field), diffrax.ControlTerm(lambda t, y, a: 0.1 * y, bm)
+    )
+    with pytest.raises(ValueError, match=r"CheckpointAdjoint: an UnsafeBrownianPath"):
+        diffrax.diffeqsolve(
+            terms, diffrax.Euler(), 0.0, 1.0, 0.1, y0, a, adjoint=CheckpointAdjoint(memory=4)
+        )
+
+
+def test_forward_mode_raises():
+    # As RecursiveCheckpointAdjoint: reverse mode only (diffrax.ForwardMode for jvp).
+    with pytest.raises(TypeError, match=r"forward-mode"):
+        jax.jvp(
+            lambda y: solve(y, jnp.asarray(ARGS), CheckpointAdjoint(memory=4)).ys,
+            (jnp.asarray(Y0),),
+            (jnp.asarray(Y0),),
+        )
+
+
+def test_import_memento_stays_free_of_diffrax_and_hints_without_it():
+    code = (
+        "import sys; sys.modules['diffrax'] = None\n"
+        "import memento\n"
+        "assert 'jax' not in sys.modules and 'equinox' not in sys.modules\n"
+        "try:\n"
+        "    memento.diffrax\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 'pip install "memento[diffrax]"' in out.stdout
