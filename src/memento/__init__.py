@@ -1,9 +1,9 @@
 """memento: reverse-mode gradients through long loops, under a memory budget.
 
 ``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
-`bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `chain` where the installed version
-has it) load on first use, through the module ``__getattr__`` below; type checkers read
-their real signatures from the ``TYPE_CHECKING`` imports.
+`chain`, `bytes_budget`, `fwdrev_grad`, `meta`, `loops`) load on first use, through the
+module ``__getattr__`` below; type checkers read their real signatures from the
+``TYPE_CHECKING`` imports.
 """
 
 import importlib as _importlib
@@ -42,10 +42,7 @@ if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at
     from . import loops as loops
     from . import meta as meta
     from .loops import bytes_budget as bytes_budget
-
-    # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it lands
-    # the name is unknown to checkers (and an AttributeError at runtime), not an error here.
-    from .loops import chain as chain  # pyright: ignore[reportAttributeAccessIssue]
+    from .loops import chain as chain
     from .loops import scan as scan
     from .loops import while_loop as while_loop
     from .meta import fwdrev_grad as fwdrev_grad
