@@ -284,12 +284,27 @@ def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
 # -- execution ----------------------------------------------------------------------------
 
 
-def _barrier(state: list, ct: list) -> list:
-    """``state``, made to depend on the current cotangent: a recomputation from it can be
-    neither merged with another (CSE) nor moved before the backward steps already done."""
-    if not state:
-        return state
-    return list(lax.optimization_barrier((list(state), list(ct)))[0])
+def _barrier(state: list, ct: list) -> tuple[list, list]:
+    """``state`` made to depend on the cotangent so far, and that cotangent.
+
+    A recomputation from a loaded state must be neither merged with another from the
+    same state (CSE) nor moved before the backward steps already done. An
+    ``optimization_barrier`` says so, but XLA:CPU expands barriers before its last CSE
+    pass (``cse_barrier_expander``), which then merges the recomputations. So each float
+    leaf also gets ``+ (c != c)``, ``c`` one element of the cotangent: zero unless the
+    cotangent is already NaN, no gradient, and no compiler may fold it away.
+    """
+
+    def floats(leaves):
+        return [l for l in leaves if jnp.issubdtype(l.dtype, jnp.inexact) and l.size]
+
+    if not state or not floats(ct):
+        return list(state), list(ct)
+    state, ct = lax.optimization_barrier((list(state), list(ct)))
+    c = jnp.ravel(floats(ct)[0])[0]
+    tie = lax.ne(c, c)
+    state = [l + tie.astype(l.dtype) if jnp.issubdtype(l.dtype, jnp.inexact) else l for l in state]
+    return state, list(ct)
 
 
 class _Replay:
@@ -361,10 +376,12 @@ class _Replay:
             elif op == Op.SAVE_INTERNAL:
                 self.internal[arg] = self._save(pos)
             elif op == Op.LOAD_HIDDEN:
-                self.cur = _barrier(self.x0 if arg == -1 else self.hidden[arg], self.ct)
+                state = self.x0 if arg == -1 else self.hidden[arg]
+                self.cur, self.ct = _barrier(state, self.ct)
                 self.pos = pos
             elif op == Op.LOAD_INTERNAL:
-                self.cur, self.pos = _barrier(self.internal[arg][2], self.ct), pos
+                self.cur, self.ct = _barrier(self.internal[arg][2], self.ct)
+                self.pos = pos
             elif op == Op.BACKWARD_INTERNAL:
                 self._backward(pos, self.internal[arg])
             elif op == Op.BACKWARD_FUSED:
