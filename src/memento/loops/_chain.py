@@ -32,13 +32,30 @@ evaluation the plan makes is one copy of the layer in the program, and compile t
 with the number of layers and with the plan's cost (unlike `memento.scan`, whose program
 does not grow with its length; use `scan_layers` for long stacks of identical layers).
 A loaded state passes through ``lax.optimization_barrier`` together with the current
-cotangent: XLA can then neither merge a recomputation with another one (CSE) nor with the
-forward pass, nor hoist it before the backward steps that precede it, so the compiled
-program evaluates every layer as often as the plan says, in the plan's order.
+cotangent, and each of its float leaves gets ``+ (c != c)`` for one element ``c`` of that
+cotangent (zero unless it is NaN; no gradient). XLA:CPU expands optimization barriers
+before its last CSE pass, so a barrier alone does not stop it from merging the
+recomputations from one state into one (measured: 10 layer evaluations compiled where the
+plan makes 21); the tie does, on every backend, and it also keeps a recomputation after
+the backward steps that precede it. So the compiled program evaluates every layer as
+often as the plan says, in the plan's order (tested by counting instructions in the
+compiled program).
 
-What XLA does with buffers is its own affair: the plan bounds the states the program
-keeps alive, while XLA adds the working memory of the layers being evaluated (the paper's
-"working state", not charged by the plan) and may schedule differently.
+Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (the plan is made for one batch
+member and shared), forward over reverse (``jax.hessian``, ``jvp`` of ``grad``) and, unlike
+`memento.scan` whose backward pass is a while loop, reverse over reverse (``grad`` of
+``grad``): the backward pass here is plain operations. Forward mode of the chain itself
+(``jvp``, ``jacfwd``) raises a ``TypeError``, as `memento.scan`.
+
+Limitations:
+
+- the program is unrolled (above); planning is a Python loop over ``n^2 / 2`` subproblems,
+  about a second for a hundred layers, so chains of a few hundred layers at most;
+- the plan bounds the states the program keeps alive; XLA adds the working memory of the
+  layers being evaluated (the paper's "working state", not charged) and schedules buffers
+  its own way, so measured memory follows the budget without equalling it
+  (``benchmarks/chain.py`` reports the ratio);
+- a cotangent that is already NaN makes recomputed states NaN too (the tie above).
 """
 
 from __future__ import annotations
@@ -348,9 +365,10 @@ class _Replay:
         self.ct_consts[p] = ct_k
         self.ct = list(ct_x)
 
-    def sweep(self, rows: np.ndarray) -> None:
-        """The first sweep: the rows up to the first backward, whose forward half a final
-        BACKWARD_FUSED adds (its residuals stay in ``working``)."""
+    def run(self, rows: np.ndarray, *, sweep: bool = False) -> None:
+        """Runs ``rows``. ``sweep``: the first sweep, in the forward pass; it stops at the
+        first backward row, after the forward half of a BACKWARD_FUSED (whose residuals
+        stay in ``working``). Otherwise ``ct`` holds the output's cotangent."""
         for op, arg, pos in rows.tolist():
             if op == Op.ADVANCE:
                 self._advance(pos, arg)
@@ -358,23 +376,12 @@ class _Replay:
                 self.hidden[arg] = list(self.cur)
             elif op == Op.SAVE_INTERNAL:
                 self.internal[arg] = self._save(pos)
-            elif op == Op.BACKWARD_FUSED:
-                self.working = self._save(pos)
+            elif sweep:
+                if op == Op.BACKWARD_FUSED:
+                    self.working = self._save(pos)
+                if op not in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):  # plan's invariant
+                    raise AssertionError(f"unexpected row {(op, arg, pos)} in the first sweep")
                 return
-            elif op == Op.BACKWARD_INTERNAL:
-                return
-            else:  # loads and frees do not occur in a first sweep
-                raise AssertionError(f"unexpected row {(op, arg, pos)} in the first sweep")
-
-    def backward(self, rows: np.ndarray) -> None:
-        """Every row after the first sweep; ``ct`` holds the output's cotangent."""
-        for op, arg, pos in rows.tolist():
-            if op == Op.ADVANCE:
-                self._advance(pos, arg)
-            elif op == Op.SAVE_HIDDEN:
-                self.hidden[arg] = list(self.cur)
-            elif op == Op.SAVE_INTERNAL:
-                self.internal[arg] = self._save(pos)
             elif op == Op.LOAD_HIDDEN:
                 state = self.x0 if arg == -1 else self.hidden[arg]
                 self.cur, self.ct = _barrier(state, self.ct)
@@ -425,7 +432,7 @@ def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
         rows = plan.schedule.actions
         first = _first_backward(rows)
         m = _Replay(restricted, specs, consts, x)
-        m.sweep(rows[: first + 1])
+        m.run(rows[: first + 1], sweep=True)
         out = m.cur
         saved = (consts, x, m.hidden, m.internal, m.working)
         return out, (saved, Static((restricted, specs, rows[first:])))
@@ -436,7 +443,7 @@ def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
         m = _Replay(restricted, specs, consts, x)
         m.hidden, m.internal, m.working = dict(hidden), dict(internal), working
         m.ct = instantiate(ct_out, restricted[-1].y_avals, restricted[-1].y_mask)
-        m.backward(rows)
+        m.run(rows)
         ct_consts = [
             merge(ct or [], [None] * (len(k) - sum(b.const_mask)), b.const_mask)
             for ct, k, b in zip(m.ct_consts, consts, restricted)
