@@ -1,9 +1,9 @@
 """memento: reverse-mode gradients through long loops, under a memory budget.
 
 ``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
-`bytes_budget`, `fwdrev_grad`, `meta`, `loops`, `diffrax`, and `chain` where the installed
-version has it) load on first use, through the module ``__getattr__`` below; type checkers read
-their real signatures from the ``TYPE_CHECKING`` imports.
+`chain`, `bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `diffrax` with Diffrax
+installed) load on first use, through the module ``__getattr__`` below; type checkers
+read their real signatures from the ``TYPE_CHECKING`` imports.
 """
 
 import importlib as _importlib
@@ -34,9 +34,7 @@ if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at
     from . import diffrax as diffrax, loops as loops, meta as meta
     from .loops import (
         bytes_budget as bytes_budget,
-        # memento.loops.chain(fns, x, *, memory, policy="auto") is on its way; until it
-        # lands the name is unknown to checkers (and an AttributeError at runtime).
-        chain as chain,  # pyright: ignore[reportAttributeAccessIssue]
+        chain as chain,
         scan as scan,
         while_loop as while_loop,
     )

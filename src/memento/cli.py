@@ -6,6 +6,8 @@ Thin by design: it parses arguments, calls the library and prints. Examples::
     memento plan --steps 4096 --memory 5MiB --carry-bytes 4096 --alpha 9
     memento plan --steps 1000 --memory 250 --policy msm --alpha 5 --json
     memento plan --steps 40 --memory 4 --policy hsm --plot schedule.png
+    memento plan-chain --costs 1,2,3 --hidden 1,1,2,2 --internal 3,3,4 --memory 6
+    memento plan-chain --json chain.json --rows
     memento curves --steps 1000 --out figures/
     memento demo --quick
     memento bench metagrad --quick --json metagrad.json
@@ -207,6 +209,71 @@ def _plan(args) -> int:
     return 0
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _chain_problem(args) -> dict:
+    """The chain to plan: from --json FILE, or from --costs/--hidden/--internal/--memory."""
+    flags = ("costs", "hidden", "internal", "memory")
+    if args.json is not None:
+        given = [f"--{f}" for f in flags if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--json FILE gives the whole chain; drop {', '.join(given)}")
+        with open(args.json) as f:
+            data = json.load(f)
+        missing = [k for k in flags if k not in data] if isinstance(data, dict) else flags
+        if missing:
+            raise ValueError(
+                f"{args.json}: expected a JSON object with keys {', '.join(flags)}; "
+                f"missing {', '.join(missing)}"
+            )
+        return {k: data[k] for k in flags}
+    missing = [f"--{f}" for f in flags if getattr(args, f) is None]
+    if missing:
+        raise ValueError(f"give {', '.join(missing)} (or --json FILE)")
+    return {
+        "costs": _ints(args.costs, "--costs"),
+        "hidden": _ints(args.hidden, "--hidden"),
+        "internal": _ints(args.internal, "--internal"),
+        "memory": _ints(args.memory, "--memory")[0],
+    }
+
+
+def _plan_chain(args) -> int:
+    from .planning import Op, plan_chain
+
+    problem = _chain_problem(args)
+    schedule = plan_chain(
+        problem["costs"],
+        problem["hidden"],
+        problem["internal"],
+        problem["memory"],
+        internal=args.policy != "hsm",
+    )
+    replay = schedule.simulate()
+    n = schedule.num_steps
+    print(
+        f"chain schedule ({args.policy}): {_plural(n, 'layer')}, memory {problem['memory']}"
+        f" units (h_0 counted, the working state not)"
+    )
+    print(
+        f"  cost            {schedule.cost} (weighted forward cost; each layer once:"
+        f" {sum(problem['costs'])})"
+    )
+    print(f"  peak memory     {replay.peak_memory} units")
+    print(
+        f"  actions         {len(schedule.actions)} rows, {replay.sweep_length} in the first sweep"
+    )
+    if args.rows:
+        for op, arg, pos in schedule.actions.tolist():
+            print(f"    {Op(op).name:<18} arg={arg:<3} pos={pos}")
+    return 0
+
+
 def _curves(args) -> int:
     from .apps.plotting import write_curves
 
@@ -292,6 +359,32 @@ def _parser() -> argparse.ArgumentParser:
         help=f"replay (check) the schedule even above {_REPLAY_ROWS:,} actions (slow)",
     )
     p.set_defaults(handler=_plan)
+
+    p = sub.add_parser(
+        "plan-chain",
+        help="plan a heterogeneous chain (per-layer costs and sizes) and print the schedule",
+        description="Plan the optimal schedule for a chain of layers with different costs"
+        " and sizes (Gruslys et al. appendix C, as memento.chain runs it). Sizes are"
+        " integers in one unit; internal sizes include the layer's input and output.",
+    )
+    p.add_argument("--costs", metavar="U0,U1,...", help="forward cost of each of the n layers")
+    p.add_argument("--hidden", metavar="S0,...,Sn", help="sizes of the n + 1 hidden states")
+    p.add_argument("--internal", metavar="I0,I1,...", help="sizes of the n internal states")
+    p.add_argument("--memory", metavar="M", help="the budget, in the same unit")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help='the chain as a JSON object {"costs": [...], "hidden": [...], "internal": [...],'
+        ' "memory": M} instead of the four flags',
+    )
+    p.add_argument(
+        "--policy",
+        default="auto",
+        choices=("auto", "hsm", "msm"),
+        help="auto or msm (hidden or internal states, the same), hsm (hidden states only)",
+    )
+    p.add_argument("--rows", action="store_true", help="print every row of the schedule")
+    p.set_defaults(handler=_plan_chain)
 
     p = sub.add_parser(
         "curves",

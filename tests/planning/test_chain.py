@@ -84,3 +84,16 @@ def test_errors(args, exc, match):
 
 def test_public_name():
     assert memento.plan_chain is plan_chain
+
+
+def test_hidden_states_only_is_hsm():
+    # internal=False: no internal state is stored; with unit sizes this is BPTT-HSM.
+    for n in range(1, 14):
+        for m in range(1, 8):
+            s = plan_chain([1] * n, [1] * (n + 1), [3] * n, m, internal=False)
+            assert not (s.actions[:, 0] == memento.Op.SAVE_INTERNAL).any()
+            assert s.cost == plan(n, m, policy="hsm").cost, (n, m)
+            assert s.internal_sizes == (3,) * n
+            result = simulate(s)
+            assert result.forward_evaluations == s.cost and result.peak_memory <= m
+            assert s.cost >= plan_chain([1] * n, [1] * (n + 1), [3] * n, m).cost

@@ -144,6 +144,8 @@ def plan_chain(
     hidden_sizes: Sequence[int],
     internal_sizes: Sequence[int],
     memory: int,
+    *,
+    internal: bool = True,
 ) -> Schedule:
     """Plans an optimal schedule for a chain of steps with different costs and sizes.
 
@@ -172,6 +174,8 @@ def plan_chain(
         hidden_sizes: n + 1 positive integer sizes of ``h_0 .. h_n``.
         internal_sizes: n positive integer sizes, as above.
         memory: the budget, >= ``hidden_sizes[0]``.
+        internal: whether pushes may store internal states. ``False`` restricts the plan
+            to hidden states and recomputation (appendix C's HSM choices, eq. 21 and 24).
 
     Returns:
         A `Schedule` with ``policy="chain"`` whose ``cost`` is the weighted cost and whose
@@ -214,7 +218,9 @@ def plan_chain(
             f"entries, minutes of work; express sizes in coarser units (so that "
             f"n^2 * memory / 2 <= {_MAX_CELLS})"
         )
-    tables = _tables(u, s, i, budget)
+    # HSM's choices only: internal states priced above any budget are never pushed
+    # (eq. 7/10 become infeasible), while the schedule keeps the true sizes.
+    tables = _tables(u, s, i if internal else tuple(budget + h + 1 for h in s[:n]), budget)
     cost = int(tables[0][0, n, budget])
     return Schedule(
         num_steps=n,

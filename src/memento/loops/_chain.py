@@ -1,0 +1,572 @@
+"""`memento.chain`: the gradient of a composition of different layers under a memory budget.
+
+A chain ``x_{p+1} = fns[p](x_p)``, ``p = 0..n-1``, is the heterogeneous loop of Gruslys et
+al. (2016), appendix C: its steps ("layers") differ in cost, in the size of their hidden
+state ``x_p`` (the paper's ``s``) and in the size of their internal state (the residuals
+of their VJP, ``i``). `memento.planning.plan_chain` finds the schedule with the least
+weighted forward cost that fits a budget, choosing at each push between a hidden state,
+an internal state or nothing (MSM's choices); this module measures the chain and runs
+that schedule.
+
+Measuring (once per trace of the gradient, from the inputs it differentiates):
+
+- cost ``u_p``: the floating-point operations XLA counts for layer p
+  (``jax.jit(...).lower(...).cost_analysis()["flops"]``, 1 where XLA reports none),
+  quantised to integers with the most expensive layer at `_COST_RESOLUTION`;
+- hidden size ``s_p``: bytes of ``x_p``;
+- internal size ``i_p``: bytes of ``x_p`` and ``x_{p+1}`` plus the residuals of
+  ``jax.vjp`` of layer p that are neither (the leaves of the pullback it returns,
+  each buffer counted once, closed-over parameters excluded: they are held anyway);
+- all three sizes are quantised into units of ``unit_bytes`` (rounded up, the budget
+  rounded down, so the plan never exceeds the budget in bytes) with the budget at most
+  about `_SIZE_RESOLUTION` units: the planner's table has ``n^2 E / 2`` entries.
+
+Execution. Each layer is closure-converted (`_body.make_body`: parameters it closes
+over, Equinox module fields, ``functools.partial`` arguments, and tracers of enclosing
+transformations become explicit inputs that receive cotangents). The chain is a
+``jax.custom_vjp`` function of (parameters, x). Its forward rule runs the schedule's first
+sweep (ADVANCE, SAVE_HIDDEN, SAVE_INTERNAL rows, and the forward half of the final
+BACKWARD_FUSED), and returns what the sweep stored as residuals. Its backward rule replays
+the remaining rows in Python, at trace time, so the program is *unrolled*: every
+evaluation the plan makes is one copy of the layer in the program, and compile time grows
+with the number of layers and with the plan's cost (unlike `memento.scan`, whose program
+does not grow with its length; use `scan_layers` for long stacks of identical layers).
+A loaded state passes through ``lax.optimization_barrier`` together with the current
+cotangent, and each of its float leaves gets ``+ (c != c)`` for one element ``c`` of that
+cotangent (zero unless it is NaN; no gradient). XLA:CPU expands optimization barriers
+before its last CSE pass, so a barrier alone does not stop it from merging the
+recomputations from one state into one (measured: 10 layer evaluations compiled where the
+plan makes 21); the tie does, on every backend, and it also keeps a recomputation after
+the backward steps that precede it. So the compiled program evaluates every layer as
+often as the plan says, in the plan's order (tested by counting instructions in the
+compiled program).
+
+Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (the plan is made for one batch
+member and shared), forward over reverse (``jax.hessian``, ``jvp`` of ``grad``) and, unlike
+`memento.scan` whose backward pass is a while loop, reverse over reverse (``grad`` of
+``grad``): the backward pass here is plain operations. Forward mode of the chain itself
+(``jvp``, ``jacfwd``) raises a ``TypeError``, as `memento.scan`.
+
+Limitations:
+
+- the program is unrolled (above); planning is a Python loop over ``n^2 / 2`` subproblems,
+  about a second for a hundred layers, so chains of a few hundred layers at most;
+- the plan bounds the states the program keeps alive; XLA adds the working memory of the
+  layers being evaluated (the paper's "working state", not charged) and schedules buffers
+  its own way, so measured memory follows the budget without equalling it
+  (``benchmarks/chain.py`` reports the ratio);
+- a cotangent that is already NaN makes recomputed states NaN too (the tie above).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from ..planning import Op, Schedule, plan_chain
+from ._body import (
+    Body,
+    Static,
+    call_reverse_mode_only,
+    instantiate,
+    make_body,
+    merge,
+    nbytes,
+)
+from ._budget import Bytes, parse_memory
+
+__all__ = ["ChainPlan", "chain", "chain_plan", "scan_layers"]
+
+_NAME = "memento.chain"
+ChainPolicy = Literal["auto", "hsm", "msm"]
+_POLICIES = ("auto", "hsm", "msm")
+
+# The most expensive layer costs this many units: finer than any measured difference
+# that matters, and the planner's costs are int64 (no table grows with it).
+_COST_RESOLUTION = 1000
+# The budget in size units, at most: the planner fills n^2 (E + 1) / 2 table entries,
+# about a second at 4e6. Fewer units for long chains, never fewer than 16.
+_SIZE_RESOLUTION = 1000
+_MAX_TABLE = 4_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainPlan:
+    """What `memento.chain` measured of a chain, and the schedule it runs.
+
+    Attributes:
+        schedule: the plan (`memento.planning.plan_chain`), sizes in units of
+            ``unit_bytes``, costs in quantised flops.
+        unit_bytes: bytes per size unit of ``schedule``.
+        budget_bytes: the budget, in bytes.
+        hidden_bytes: bytes of ``x_0 .. x_n`` (``x_n``, the output, is never stored).
+        internal_bytes: bytes of each layer's internal state: its input, its output and
+            its other VJP residuals.
+        flops: XLA's count of each layer's floating-point operations (1 where none).
+    """
+
+    schedule: Schedule
+    unit_bytes: int
+    budget_bytes: int
+    hidden_bytes: tuple[int, ...]
+    internal_bytes: tuple[int, ...]
+    flops: tuple[float, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.schedule.num_steps
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes of stored states at once, as planned (an upper bound, sizes rounded
+        up to units); the input ``x_0`` included."""
+        return self.schedule.peak_memory * self.unit_bytes
+
+    @property
+    def planned_flops(self) -> float:
+        """Forward flops of the schedule: each evaluation of a layer at its measured cost."""
+        return float(np.dot(self.evaluations(), self.flops))
+
+    def evaluations(self) -> np.ndarray:
+        """How many times the schedule evaluates each layer (first sweep included)."""
+        return evaluations(self.schedule)
+
+
+def evaluations(schedule: Schedule) -> np.ndarray:
+    """Evaluations of each step by ``schedule``: ADVANCE, SAVE_INTERNAL, BACKWARD_FUSED."""
+    counts = np.zeros(schedule.num_steps, dtype=np.int64)
+    for op, arg, pos in schedule.actions.tolist():
+        if op == Op.ADVANCE:
+            counts[pos : pos + arg] += 1
+        elif op in (Op.SAVE_INTERNAL, Op.BACKWARD_FUSED):
+            counts[pos] += 1
+    return counts
+
+
+# -- tracing and measuring --------------------------------------------------------------
+
+
+def _check_fns(fns) -> list[Callable]:
+    if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence):
+        raise TypeError(
+            f"{_NAME}: fns must be a sequence (list or tuple) of callables, got "
+            f"{type(fns).__name__}."
+        )
+    if len(fns) == 0:
+        raise ValueError(f"{_NAME}: fns is empty; pass at least one layer (a callable).")
+    for p, f in enumerate(fns):
+        if not callable(f):
+            raise TypeError(
+                f"{_NAME}: fns[{p}] is not callable ({type(f).__name__}); every layer must "
+                "be a function of one argument, x_p -> x_{p+1}."
+            )
+    return list(fns)
+
+
+def _layers(fns: Sequence[Callable], x) -> list[Body]:
+    """Each layer traced once on its input's abstract value, as a `Body` with no carry.
+
+    A layer is a loop body ``(carry, x) -> (carry, y)`` whose carry is empty: its input is
+    the body's ``x`` and its output the body's ``y``, so `Body`'s closure conversion,
+    residual probe and perturbation masks serve chains unchanged.
+    """
+    bodies = []
+    example = x
+    for p, f in enumerate(fns):
+        try:
+            b = make_body(lambda c, h, f=f: (c, f(h)), (), example, name=_NAME)
+        except TypeError as e:
+            raise TypeError(f"{_NAME}: fns[{p}] failed on its input: {e}") from e
+        bodies.append(b)
+        example = jax.tree_util.tree_unflatten(b.y_tree, list(b.y_avals))
+    return bodies
+
+
+def _avals(leaves) -> list:
+    return [l if isinstance(l, jax.ShapeDtypeStruct) else jax.typeof(l) for l in leaves]
+
+
+def _flops(b: Body) -> float:
+    """XLA's flop count of one evaluation of a layer; 1 where it gives none."""
+
+    def primal(consts, x):
+        return b(consts, [], x)[1]
+
+    try:
+        analysis = jax.jit(primal).lower(_avals(b.consts), list(b.x_avals)).cost_analysis()
+    except Exception:  # a backend without cost analysis: unit costs
+        return 1.0
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    flops = (analysis or {}).get("flops", 0.0)
+    return max(1.0, float(flops or 0.0))
+
+
+def _residual_bytes(b: Body) -> int:
+    """Bytes of a layer's VJP residuals other than its input, output and parameters.
+
+    Traced abstractly; the jaxpr's variables tell buffers apart, so a residual that is
+    the layer's output (``tanh``'s, say) or the same buffer twice is counted once.
+    """
+
+    def probe(consts, x):
+        _, y, pullback = b.linearize(consts, [], x)
+        return y, jax.tree_util.tree_leaves(pullback)
+
+    closed = jax.make_jaxpr(probe)(_avals(b.consts), list(b.x_avals))
+    jaxpr = closed.jaxpr
+    n_y = len(b.y_avals)
+    seen = {id(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
+    seen.update(id(v) for v in jaxpr.outvars[:n_y])
+    extra = []
+    for v in jaxpr.outvars[n_y:]:
+        if isinstance(v, jex_core.Var) and id(v) not in seen:  # not a Literal
+            seen.add(id(v))
+            extra.append(v.aval)
+    return nbytes(extra)
+
+
+def _sizes(bodies: Sequence[Body]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+    hidden = [nbytes(b.x_avals) for b in bodies] + [nbytes(bodies[-1].y_avals)]
+    internal = [
+        hidden[p] + hidden[p + 1] + _residual_bytes(b) for p, b in enumerate(bodies)
+    ]  # includes input and output, as plan_chain requires
+    return tuple(hidden), tuple(internal), tuple(_flops(b) for b in bodies)
+
+
+def _budget_bytes(budget: int | Bytes, hidden: Sequence[int]) -> int:
+    if isinstance(budget, Bytes):
+        return budget.num_bytes
+    return budget * max(1, max(hidden[:-1]))  # a slot holds the largest stored state
+
+
+def _plan(bodies: Sequence[Body], budget: int | Bytes, policy: str) -> ChainPlan:
+    hidden, internal, flops = _sizes(bodies)
+    n = len(bodies)
+    total = _budget_bytes(budget, hidden)
+    if total < hidden[0]:
+        raise ValueError(
+            f"{_NAME}: a budget of {total} bytes cannot hold the input x_0 ({hidden[0]} "
+            f"bytes); the minimum is {hidden[0]} bytes (recompute every layer from x_0), "
+            "or memory=1 (one slot)."
+        )
+    # More than every state at once cannot help; the unit makes the budget at most
+    # `resolution` units so that the planner's table stays small.
+    useful = min(total, sum(hidden[:-1]) + sum(internal))
+    resolution = max(16, min(_SIZE_RESOLUTION, 2 * _MAX_TABLE // (n * n)))
+    unit = max(1, math.ceil(useful / resolution))
+    s = [max(1, math.ceil(h / unit)) for h in hidden]
+    i = [max(math.ceil(a / unit), s[p] + 1) for p, a in enumerate(internal)]
+    memory = max(min(total, useful + unit) // unit, s[0])
+    top = max(flops)
+    u = [max(1, round(_COST_RESOLUTION * f / top)) for f in flops]
+    schedule = plan_chain(u, s, i, memory, internal=policy != "hsm")
+    return ChainPlan(schedule, unit, total, hidden, internal, flops)
+
+
+def chain_plan(
+    fns: Sequence[Callable], x: Any, *, memory: int | str | Bytes, policy: ChainPolicy = "auto"
+) -> ChainPlan:
+    """The plan `memento.chain` runs for these arguments, every float input differentiated.
+
+    For inspecting a plan (its cost, peak and evaluations per layer) without running it;
+    `memento.chain` plans again when its gradient is traced, for the inputs actually
+    differentiated (it stores fewer residuals when parameters are not).
+
+    Raises:
+        As `memento.chain`.
+    """
+    fns, budget = _check(fns, memory, policy)
+    if budget is None:
+        raise TypeError(f"{_NAME}: chain_plan needs a memory budget, got None.")
+    return _plan(_layers(fns, x), budget, policy)
+
+
+def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
+    fns = _check_fns(fns)
+    if policy not in _POLICIES:
+        raise ValueError(f"{_NAME}: policy must be one of {_POLICIES}, got {policy!r}.")
+    return fns, None if memory is None else parse_memory(memory, name=_NAME)
+
+
+# -- execution ----------------------------------------------------------------------------
+
+
+def _barrier(state: list, ct: list) -> tuple[list, list]:
+    """``state`` made to depend on the cotangent so far, and that cotangent.
+
+    A recomputation from a loaded state must be neither merged with another from the
+    same state (CSE) nor moved before the backward steps already done. An
+    ``optimization_barrier`` says so, but XLA:CPU expands barriers before its last CSE
+    pass (``cse_barrier_expander``), which then merges the recomputations. So each float
+    leaf also gets ``+ (c != c)``, ``c`` one element of the cotangent: zero unless the
+    cotangent is already NaN, no gradient, and no compiler may fold it away.
+    """
+
+    def floats(leaves):
+        return [l for l in leaves if jnp.issubdtype(l.dtype, jnp.inexact) and l.size]
+
+    if not state or not floats(ct):
+        return list(state), list(ct)
+    state, ct = lax.optimization_barrier((list(state), list(ct)))
+    c = jnp.ravel(floats(ct)[0])[0]
+    tie = lax.ne(c, c)
+    state = [l + tie.astype(l.dtype) if jnp.issubdtype(l.dtype, jnp.inexact) else l for l in state]
+    return state, list(ct)
+
+
+class _Replay:
+    """The machine that runs schedule rows on traced values (see the module docstring).
+
+    ``hidden`` and ``internal`` are the slots: hidden slot -> leaves of ``x_pos``;
+    internal slot -> (stored residuals, the input leaves the pullback reads, output
+    leaves). ``working``: the residuals of the step a BACKWARD_FUSED ends the first sweep
+    with, made in the forward pass.
+    """
+
+    def __init__(self, bodies, specs, consts, x0):
+        self.bodies, self.specs, self.consts, self.x0 = bodies, specs, consts, x0
+        self.cur, self.pos = list(x0), 0
+        self.hidden: dict[int, list] = {}
+        self.internal: dict[int, tuple] = {}
+        self.working: tuple | None = None
+        self.ct: list = []
+        self.ct_consts: list = [None] * len(bodies)
+
+    def _advance(self, pos: int, k: int) -> None:
+        assert self.pos == pos, (self.pos, pos)  # the schedule's invariant, checked by plan
+        for q in range(pos, pos + k):
+            self.cur = self.bodies[q](self.consts[q], [], self.cur)[1]
+        self.pos = pos + k
+
+    def _save(self, p: int) -> tuple:
+        """Runs layer p from the working state keeping its residuals; returns the slot."""
+        b, spec = self.bodies[p], self.specs[p]
+        _, y, stored = b.save(spec, self.consts[p], [], self.cur)
+        needed = {j for kind, j in spec.source if kind == "x"}
+        x = [l if j in needed else None for j, l in enumerate(self.cur)]
+        self.cur, self.pos = y, p + 1
+        return stored, x, y
+
+    def _backward(self, p: int, slot: tuple) -> None:
+        b, spec = self.bodies[p], self.specs[p]
+        stored, x, _ = slot
+        pullback = b.restore(spec, stored, self.consts[p], x)
+        ct_k, _, ct_x = pullback(([], self.ct))
+        self.ct_consts[p] = ct_k
+        self.ct = list(ct_x)
+
+    def run(self, rows: np.ndarray, *, sweep: bool = False) -> None:
+        """Runs ``rows``. ``sweep``: the first sweep, in the forward pass; it stops at the
+        first backward row, after the forward half of a BACKWARD_FUSED (whose residuals
+        stay in ``working``). Otherwise ``ct`` holds the output's cotangent."""
+        for op, arg, pos in rows.tolist():
+            if op == Op.ADVANCE:
+                self._advance(pos, arg)
+            elif op == Op.SAVE_HIDDEN:
+                self.hidden[arg] = list(self.cur)
+            elif op == Op.SAVE_INTERNAL:
+                self.internal[arg] = self._save(pos)
+            elif sweep:
+                if op == Op.BACKWARD_FUSED:
+                    self.working = self._save(pos)
+                if op not in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):  # plan's invariant
+                    raise AssertionError(f"unexpected row {(op, arg, pos)} in the first sweep")
+                return
+            elif op == Op.LOAD_HIDDEN:
+                state = self.x0 if arg == -1 else self.hidden[arg]
+                self.cur, self.ct = _barrier(state, self.ct)
+                self.pos = pos
+            elif op == Op.LOAD_INTERNAL:
+                self.cur, self.ct = _barrier(self.internal[arg][2], self.ct)
+                self.pos = pos
+            elif op == Op.BACKWARD_INTERNAL:
+                self._backward(pos, self.internal[arg])
+            elif op == Op.BACKWARD_FUSED:
+                if self.working is None:
+                    self.working = self._save(pos)
+                self._backward(pos, self.working)
+                self.working, self.cur, self.pos = None, [], None
+            elif op == Op.FREE_HIDDEN:
+                del self.hidden[arg]
+            elif op == Op.FREE_INTERNAL:
+                del self.internal[arg]
+
+
+def _first_backward(rows: np.ndarray) -> int:
+    back = np.flatnonzero((rows[:, 0] == Op.BACKWARD_FUSED) | (rows[:, 0] == Op.BACKWARD_INTERNAL))
+    return int(back[0])
+
+
+def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
+    """The chain as a ``custom_vjp`` function of (per-layer parameters, x leaves)."""
+
+    @jax.custom_vjp
+    def run(consts, x):
+        for b, k in zip(bodies, consts):
+            x = b(k, [], x)[1]
+        return x
+
+    def fwd(consts, x):
+        # symbolic_zeros: only what is perturbed, or depends on it, is differentiated,
+        # so the residuals measured and stored are those of the inputs differentiated.
+        perturbed = [a.perturbed for a in x]
+        restricted = []
+        for b, k in zip(bodies, consts):
+            b = b.restrict([a.perturbed for a in k], [], perturbed)
+            restricted.append(b)
+            perturbed = list(b.y_mask)
+        plan = _plan(restricted, budget, policy)
+        specs = [b.residual_spec() for b in restricted]
+        consts = [[a.value for a in k] for k in consts]
+        x = [a.value for a in x]
+        rows = plan.schedule.actions
+        first = _first_backward(rows)
+        m = _Replay(restricted, specs, consts, x)
+        m.run(rows[: first + 1], sweep=True)
+        out = m.cur
+        saved = (consts, x, m.hidden, m.internal, m.working)
+        return out, (saved, Static((restricted, specs, rows[first:])))
+
+    def bwd(res, ct_out):
+        (consts, x, hidden, internal, working), static = res
+        restricted, specs, rows = static.value
+        m = _Replay(restricted, specs, consts, x)
+        m.hidden, m.internal, m.working = dict(hidden), dict(internal), working
+        m.ct = instantiate(ct_out, restricted[-1].y_avals, restricted[-1].y_mask)
+        m.run(rows)
+        ct_consts = [
+            merge(ct or [], [None] * (len(k) - sum(b.const_mask)), b.const_mask)
+            for ct, k, b in zip(m.ct_consts, consts, restricted)
+        ]
+        b0 = restricted[0]
+        ct_x = merge(m.ct, [None] * (len(x) - len(m.ct)), b0.x_mask)
+        return ct_consts, ct_x
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    return run
+
+
+def chain(
+    fns: Sequence[Callable],
+    x: Any,
+    *,
+    memory: int | str | Bytes | None,
+    policy: ChainPolicy = "auto",
+) -> Any:
+    """Applies the layers ``fns`` in turn to ``x``; its gradient fits a memory budget.
+
+    The value is ``functools.reduce(lambda x, f: f(x), fns, x)``, and so is the gradient
+    (with respect to ``x`` and to every array the layers close over or are bound to:
+    Equinox modules, ``functools.partial`` arguments, closures). The backward pass keeps
+    only what ``memory`` allows and recomputes the rest, following the schedule with the
+    fewest forward flops for that budget (Gruslys et al. 2016, appendix C, with MSM's
+    choice per stored state: a layer's input, its whole internal state, or nothing).
+
+    Pick it over ``jax.checkpoint`` per layer or sqrt(n) segments when layers differ in
+    cost and size (strided CNNs, U-Nets, mixed-width transformers): the plan stores the
+    small states and the cheap-to-store residuals, and recomputes the cheap layers.
+
+    Args:
+        fns: a non-empty sequence of callables, ``fns[p]: x_p -> x_{p+1}``. Shapes, dtypes
+            and pytree structures may change from layer to layer.
+        x: the input ``x_0``, a pytree of arrays.
+        memory: what the backward pass may keep, the input ``x_0`` included. ``None``:
+            everything (plain composition). An ``int``: slots, each the size of the
+            largest state the plan may store (the largest of ``x_0 .. x_{n-1}``, in
+            bytes); one slot always suffices. A string such as ``"5MiB"`` or
+            ``memento.bytes_budget(n)``: bytes, at least the size of ``x_0``. Under
+            ``vmap`` sizes are those of one batch member.
+        policy: ``"auto"`` or ``"msm"`` (the same: store inputs of layers or their
+            internal states, whichever is cheaper), or ``"hsm"`` (inputs of layers
+            only, as ``jax.checkpoint`` does).
+
+    Returns:
+        ``x_n``, as the composition gives it.
+
+    Raises:
+        ValueError: empty ``fns``; a byte budget below the size of ``x_0`` (the message
+            names the minimum); an unknown policy; a chain so long that planning it would
+            take minutes.
+        TypeError: ``fns`` not a sequence of callables; a bad ``memory``; a layer that
+            fails on its input; forward-mode differentiation (see below).
+
+    Transformations: ``jit``, ``grad``/``vjp``, ``vmap``, and second order by forward over
+    reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) and by reverse over reverse
+    (``jax.grad(jax.grad(f))``): the backward pass is plain JAX operations. Forward mode
+    of the chain itself (``jax.jvp``, ``jax.jacfwd``, reverse over forward) raises a
+    ``TypeError``: the gradient is a custom reverse-mode rule; ``memory=None`` supports it.
+
+    Measurement and planning happen when the gradient is traced (see the module
+    docstring): a layer's cost is XLA's flop count, its sizes are measured from its VJP.
+    The program is unrolled over the layers, as the plan evaluates them: compile time
+    grows with the number of layers and with the plan's recomputation. Chains of up to a
+    few hundred layers plan in about a second; for long stacks of identical layers use
+    `memento.loops.scan_layers`, whose program does not grow with the depth.
+
+    Example:
+        >>> y = memento.chain([conv1, pool, conv2, head], images, memory="64MiB")  # doctest: +SKIP
+    """
+    fns, budget = _check(fns, memory, policy)
+    if budget is None:
+        return functools.reduce(lambda h, f: f(h), fns, x)
+    bodies = _layers(fns, x)
+    x_leaves = [jnp.asarray(l) for l in jax.tree_util.tree_leaves(x)]
+    run = _differentiable(bodies, budget, policy)
+    out = call_reverse_mode_only(
+        run,
+        ([b.consts for b in bodies], x_leaves),
+        name=_NAME,
+        instead="memory=None (plain composition)",
+    )
+    return jax.tree_util.tree_unflatten(bodies[-1].y_tree, out)
+
+
+def scan_layers(
+    layer: Callable,
+    stacked_params: Any,
+    x: Any,
+    *,
+    memory: int | str | Bytes | None,
+    policy: Literal["auto", "hsm", "ism", "msm"] = "auto",
+) -> Any:
+    """Applies ``layer(params_p, x)`` for each slice ``params_p`` of ``stacked_params``.
+
+    For deep stacks of identical layers (a transformer's blocks): `memento.scan` over the
+    stacked parameters, so the program does not grow with the depth and the gradient
+    follows the optimal schedule for ``memory`` carry-sized slots (or bytes). As a Python
+    loop ``for p in range(n): x = layer(params[p], x)``, and as Flax's ``remat_scan``
+    without choosing the nesting by hand.
+
+    Args:
+        layer: ``(params, x) -> x``, keeping ``x``'s structure, shapes and dtypes.
+        stacked_params: a pytree whose leaves have a leading axis of length n (layers).
+        x: the input, a pytree of arrays.
+        memory, policy: as `memento.scan`.
+
+    Returns:
+        The output of the last layer.
+
+    Raises:
+        As `memento.scan`, whose name the messages carry.
+    """
+    if not callable(layer):
+        raise TypeError(
+            f"memento.loops.scan_layers: layer must be callable, got {type(layer).__name__}."
+        )
+    from ._scan import scan
+
+    def step(h, params):
+        return layer(params, h), None
+
+    out, _ = scan(step, x, stacked_params, memory=memory, policy=policy)
+    return out

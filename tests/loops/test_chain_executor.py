@@ -1,0 +1,385 @@
+"""memento.chain against plain composition: values, gradients, counts, transformations."""
+
+import functools
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memento
+from memento.loops import chain_plan, scan_layers
+from memento.loops._chain import evaluations
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def assert_trees_close(a, b, rtol=1e-11, atol=1e-12):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def compose(fns, x):
+    return functools.reduce(lambda h, f: f(h), fns, x)
+
+
+# -- a heterogeneous stack: widths 5 to 108, a reshape, a conv, a dict-valued state, an
+# Equinox Linear, closures and functools.partial ----------------------------------------
+
+
+def dense(w, b, h):
+    return jnp.tanh(w @ jnp.sin(h) + b)
+
+
+def conv(k, h):  # h: (c, 6, 6) -> (c', 6, 6)
+    out = lax.conv_general_dilated(jnp.sin(h)[None], k, (1, 1), "SAME")[0]
+    return jnp.tanh(out)
+
+
+def split_layer(w, h):  # vector -> {"a": matrix, "b": vector}: a pytree state
+    z = jnp.sin(h)
+    return {"a": jnp.outer(z, w), "b": jnp.tanh(z[:3])}
+
+
+def merge_layer(v, s):  # the pytree back to one vector
+    return jnp.tanh(jnp.sin(s["a"]) @ v) + jnp.sum(s["b"])
+
+
+def make_params(seed=0):
+    k = iter(jax.random.split(jax.random.PRNGKey(seed), 12))
+
+    def rnd(*shape, scale=0.5):
+        return jax.random.normal(next(k), shape, jnp.float64) * scale
+
+    return {
+        "d0": (rnd(16, 5), rnd(16)),
+        "d1": (rnd(72, 16), rnd(72)),
+        "conv": rnd(3, 2, 3, 3, scale=0.3),
+        "d2": (rnd(4, 108), rnd(4)),
+        "split": rnd(7),
+        "merge": rnd(7),
+        "lin": eqx.nn.Linear(4, 9, key=next(k), dtype=jnp.float64),
+    }
+
+
+def layers(params):
+    """Dense 5 -> 16 -> 72, reshape to (2, 6, 6), conv to 3 channels, flatten, dense to
+    4, a dict-valued layer, its inverse, and an Equinox Linear (via a sin wrapper)."""
+    lin = params["lin"]
+    return [
+        functools.partial(dense, *params["d0"]),
+        lambda h: dense(*params["d1"], h),
+        lambda h: jnp.sin(h).reshape(2, 6, 6),
+        functools.partial(conv, params["conv"]),
+        lambda h: jnp.sin(h).reshape(-1),
+        functools.partial(dense, *params["d2"]),
+        functools.partial(split_layer, params["split"]),
+        functools.partial(merge_layer, params["merge"]),
+        lambda h: lin(jnp.sin(h)),
+    ]
+
+
+X0 = np.linspace(-1.0, 1.0, 5)  # float64; jax arrays are made under x64
+
+
+def loss(params, x, memory, policy="auto"):
+    fns = layers(params)
+    y = compose(fns, x) if memory is None else memento.chain(fns, x, memory=memory, policy=policy)
+    return jnp.sum(jnp.cos(y) * jnp.arange(1.0, y.shape[0] + 1))
+
+
+GRAD = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+
+
+def budgets():
+    p = chain_plan(layers(make_params()), X0, memory=1)
+    everything = sum(p.hidden_bytes) + sum(p.internal_bytes)
+    return [p.hidden_bytes[0], 2 * p.hidden_bytes[0], 3000, 8000, 20000, everything]
+
+
+@pytest.mark.parametrize("policy", ["auto", "hsm"])
+def test_value_and_gradient_equal_composition(policy):
+    params = make_params()
+    ref_v = loss(params, X0, None)
+    ref_g = GRAD(params, X0, None, None)
+    costs = []
+    for b in budgets():
+        memory = memento.bytes_budget(b)
+        np.testing.assert_allclose(loss(params, X0, memory, policy), ref_v, rtol=1e-13)
+        assert_trees_close(GRAD(params, X0, memory, policy), ref_g)
+        plan = chain_plan(layers(params), X0, memory=memory, policy=policy)
+        assert plan.peak_bytes <= max(b, plan.hidden_bytes[0] + plan.unit_bytes)
+        costs.append(plan.schedule.cost)
+    # The budgets span the trade-off: recompute-from-x_0 down to one evaluation each.
+    assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]
+    if policy == "auto":
+        assert (chain_plan(layers(params), X0, memory=budgets()[-1]).evaluations() == 1).all()
+
+
+@pytest.mark.parametrize("memory", [1, 2, 4, "4KiB"])
+def test_slots_and_strings(memory):
+    params = make_params(1)
+    assert_trees_close(GRAD(params, X0, memory, "auto"), GRAD(params, X0, None, None))
+
+
+def test_slot_is_largest_stored_state():
+    p = chain_plan(layers(make_params()), X0, memory=3)
+    assert p.budget_bytes == 3 * max(p.hidden_bytes[:-1]) == 3 * 108 * 8  # the conv output
+    assert p.hidden_bytes[:3] == (5 * 8, 16 * 8, 72 * 8)
+    assert all(i > h for i, h in zip(p.internal_bytes, p.hidden_bytes))
+
+
+def counted(params, counts):
+    """`layers` with a runtime counter in each layer."""
+
+    def tick(p):
+        def bump():
+            counts[p] += 1
+
+        return bump
+
+    def wrap(p, f):
+        def g(h):
+            jax.debug.callback(tick(p))
+            return f(h)
+
+        return g
+
+    return [wrap(p, f) for p, f in enumerate(layers(params))]
+
+
+@pytest.mark.parametrize("policy", ["auto", "hsm"])
+def test_evaluations_follow_the_plan(policy):
+    params = make_params()
+    for b in budgets()[:4]:
+        memory = memento.bytes_budget(b)
+        counts = [0] * 9
+        plan = chain_plan(counted(params, counts), X0, memory=memory, policy=policy)
+
+        def f(params, x, memory=memory, counts=counts):
+            y = memento.chain(counted(params, counts), x, memory=memory, policy=policy)
+            return jnp.sum(y**2)
+
+        g = jax.jit(jax.grad(f, argnums=(0, 1)))
+        jax.block_until_ready(g(params, X0))
+        assert counts == plan.evaluations().tolist(), b
+        assert sum(counts) > 9  # these budgets recompute
+
+
+def sorting_stack():
+    # Each layer sorts its input once, and nothing else sorts: XLA neither duplicates
+    # sorts into several fusions (as it does elementwise ops) nor removes them, so the
+    # compiled program's `sort` instructions count evaluations of layers.
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    dims = [5, 16, 40, 8, 24, 3, 6]
+    ws = [jax.random.normal(k[i], (dims[i + 1], dims[i]), jnp.float64) * 0.4 for i in range(6)]
+
+    def layer(w, h):
+        return jnp.tanh(w @ jnp.sort(h))
+
+    return [functools.partial(layer, w) for w in ws], ws
+
+
+def test_compiled_program_recomputes_as_planned():
+    # XLA's CSE must not merge recomputations from the same state (nor with the forward
+    # pass): the compiled gradient holds one sort per planned evaluation of a layer.
+    fns, ws = sorting_stack()
+
+    def loss(ws, x, memory):
+        fns = [functools.partial(f.func, w) for f, w in zip(sorting_stack()[0], ws)]
+        y = compose(fns, x) if memory is None else memento.chain(fns, x, memory=memory)
+        return jnp.sum(jnp.cos(y))
+
+    def sorts(memory) -> int:
+        c = jax.jit(jax.grad(loss), static_argnums=2).lower(ws, X0, memory).compile()
+        return len(re.findall(r"\bsort\(", c.as_text()))
+
+    assert sorts(None) == 6
+    seen = set()
+    for b in (40, 300, 800, 2000, 10_000):
+        memory = memento.bytes_budget(b)
+        planned = int(chain_plan(fns, X0, memory=memory).evaluations().sum())
+        assert sorts(memory) == planned, b
+        seen.add(planned)
+    assert seen == {21, 13, 11, 8, 6}  # from recompute-from-x_0 to store-all
+
+
+def test_evaluations_helper_matches_simulator():
+    plan = chain_plan(layers(make_params()), X0, memory=memento.bytes_budget(3000))
+    weighted = int(np.dot(evaluations(plan.schedule), plan.schedule.forward_costs))
+    assert weighted == plan.schedule.simulate().forward_evaluations == plan.schedule.cost
+
+
+def test_vmap():
+    params = make_params()
+    xs = jax.random.normal(jax.random.PRNGKey(3), (3, 5), jnp.float64)
+    memory = memento.bytes_budget(2000)
+
+    def per_example(x, memory):
+        return loss(params, x, memory)
+
+    ref = jax.vmap(jax.grad(per_example), (0, None))(xs, None)
+    got = jax.jit(jax.vmap(jax.grad(per_example), (0, None)), static_argnums=1)(xs, memory)
+    assert_trees_close(got, ref)
+    # vmap of the chain, then grad of the batch loss (params shared)
+    batch = lambda p, xs, m: jnp.sum(jax.vmap(lambda x: loss(p, x, m))(xs))
+    assert_trees_close(jax.grad(batch)(params, xs, memory), jax.grad(batch)(params, xs, None))
+
+
+def test_equinox_module_gradient():
+    # Layers that are Equinox modules: their fields are the parameters.
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    mlp = [
+        eqx.nn.Linear(5, 12, key=k[0], dtype=jnp.float64),
+        eqx.nn.Lambda(jnp.sin),
+        eqx.nn.Linear(12, 3, key=k[1], dtype=jnp.float64),
+        eqx.nn.Lambda(jnp.tanh),
+        eqx.nn.Linear(3, 2, key=k[2], dtype=jnp.float64),
+    ]
+
+    def f(model, x, memory):
+        fns = list(model)
+        y = compose(fns, x) if memory is None else memento.chain(fns, x, memory=memory)
+        return jnp.sum(jnp.sin(y))
+
+    ref = eqx.filter_grad(f)(mlp, X0, None)
+    for memory in (1, 2, 100):
+        got = eqx.filter_jit(eqx.filter_grad(f))(mlp, X0, memory)
+        assert_trees_close(got, ref)
+
+
+def test_second_order():
+    params = make_params()
+    v = jax.tree_util.tree_map(jnp.ones_like, params["d1"])
+
+    def hvp(memory):
+        def g(d1):
+            p = {**params, "d1": d1}
+            return jax.grad(loss)(p, X0, memory)["d1"]
+
+        return jax.jvp(g, (params["d1"],), (v,))[1]
+
+    assert_trees_close(hvp(memento.bytes_budget(2000)), hvp(None))
+
+    def gg(memory):  # reverse over reverse: the backward pass is plain operations
+        return jax.grad(lambda x: jnp.sum(jax.grad(loss, argnums=1)(params, x, memory) ** 2))(X0)
+
+    assert_trees_close(gg(memento.bytes_budget(2000)), gg(None))
+
+
+def test_forward_mode_raises():
+    params = make_params()
+    with pytest.raises(TypeError, match=r"memento\.chain: forward-mode differentiation"):
+        jax.jvp(lambda x: loss(params, x, 2), (X0,), (X0,))
+
+
+def test_mixed_dtypes_and_integer_leaves():
+    # An integer leaf rides along; only float leaves get cotangents.
+    w = jnp.arange(6.0).reshape(2, 3) / 7
+
+    def fns(w):
+        return [
+            lambda s: {"x": jnp.tanh(w @ s["x"]), "n": s["n"] + 1},
+            lambda s: {"x": jnp.sin(s["x"]) * s["n"], "n": s["n"] * 2},
+            lambda s: jnp.concatenate([s["x"], s["n"][None].astype(jnp.float64)]),
+        ]
+
+    x = {"x": jnp.ones(3), "n": jnp.asarray(2, jnp.int32)}
+
+    def f(w, xf, memory):
+        xx = {**x, "x": xf}
+        fs = fns(w)
+        y = compose(fs, xx) if memory is None else memento.chain(fs, xx, memory=memory)
+        return jnp.sum(y**2)
+
+    ref = jax.grad(f, (0, 1))(w, x["x"], None)
+    for memory in (1, 2, "1KiB"):
+        assert_trees_close(jax.grad(f, (0, 1))(w, x["x"], memory), ref)
+    y = memento.chain(fns(w), x, memory=1)
+    assert y.dtype == jnp.float64 and y.shape == (3,)
+
+
+def test_memory_none_is_composition():
+    params = make_params()
+    fns = layers(params)
+    assert_trees_close(memento.chain(fns, X0, memory=None), compose(fns, X0))
+
+
+@pytest.mark.parametrize(
+    "fns, kw, exc, match",
+    [
+        ([], {}, ValueError, r"memento\.chain: fns is empty"),
+        ([jnp.sin, 3], {}, TypeError, r"memento\.chain: fns\[1\] is not callable \(int\)"),
+        (jnp.sin, {}, TypeError, r"memento\.chain: fns must be a sequence.*PjitFunction"),
+        (
+            [jnp.sin],
+            {"memory": "3B"},
+            ValueError,
+            r"3 bytes cannot hold the input x_0 \(40 bytes\); the minimum is 40 bytes",
+        ),
+        ([jnp.sin], {"memory": 0}, ValueError, r"memento\.chain: memory=0 slots is too small"),
+        ([jnp.sin], {"memory": 1.5}, TypeError, r"memento\.chain: memory must be None"),
+        ([jnp.sin], {"memory": 2, "policy": "ism"}, ValueError, r"policy must be one of"),
+        ([lambda h: h @ jnp.ones((3, 3))], {}, TypeError, r"memento\.chain: fns\[0\] failed"),
+    ],
+)
+def test_errors(fns, kw, exc, match):
+    kw = {"memory": 2, **kw}
+    with pytest.raises(exc, match=match):
+        jax.grad(lambda x: jnp.sum(memento.chain(fns, x, **kw)))(X0)
+
+
+def test_memory_grows_with_the_budget():
+    # Wide layers whose residuals dominate: XLA's temporary memory follows the budget.
+    k = jax.random.split(jax.random.PRNGKey(0), 8)
+    ws = [jax.random.normal(k[i], (256, 256), jnp.float64) / 16 for i in range(8)]
+
+    def f(ws, x, memory):
+        fns = [functools.partial(dense, w, 0.0) for w in ws]
+        y = compose(fns, x) if memory is None else memento.chain(fns, x, memory=memory)
+        return jnp.sum(y)
+
+    x = jnp.ones((256, 64))
+
+    def temp(memory):
+        c = jax.jit(jax.grad(f), static_argnums=2).lower(ws, x, memory).compile()
+        return c.memory_analysis().temp_size_in_bytes
+
+    small, mid, full = temp(1), temp(3), temp(None)
+    assert small < mid < full
+    state = 256 * 64 * 8
+    assert small < 4 * state  # one stored state and the working layers, not 8 layers
+
+
+def test_scan_layers_gradient():
+    k = jax.random.split(jax.random.PRNGKey(2), 2)
+    stacked = {
+        "w": jax.random.normal(k[0], (12, 6, 6), jnp.float64) * 0.4,
+        "b": jax.random.normal(k[1], (12, 6), jnp.float64),
+    }
+
+    def layer(p, h):
+        return jnp.tanh(p["w"] @ h + p["b"])
+
+    def f(stacked, x, memory):
+        if memory is None:
+            for i in range(12):
+                x = layer(jax.tree_util.tree_map(lambda a, i=i: a[i], stacked), x)
+            return jnp.sum(x**2)
+        return jnp.sum(scan_layers(layer, stacked, x, memory=memory) ** 2)
+
+    x = jnp.linspace(0.0, 1.0, 6)
+    ref = jax.grad(f, (0, 1))(stacked, x, None)
+    for memory in (1, 3, "1KiB"):
+        assert_trees_close(jax.jit(jax.grad(f, (0, 1)), static_argnums=2)(stacked, x, memory), ref)
+    with pytest.raises(TypeError, match=r"scan_layers: layer must be callable"):
+        scan_layers(3, stacked, x, memory=2)
