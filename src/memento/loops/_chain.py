@@ -283,7 +283,7 @@ def chain_plan(
     differentiated (it stores fewer residuals when parameters are not).
 
     Raises:
-        As `memento.chain`.
+        ValueError, TypeError: as `memento.chain`.
     """
     fns, budget = _check(fns, memory, policy)
     if budget is None:
@@ -557,7 +557,7 @@ def scan_layers(
         The output of the last layer.
 
     Raises:
-        As `memento.scan`, whose name the messages carry.
+        ValueError, TypeError: as `memento.scan`, whose name the messages carry.
     """
     if not callable(layer):
         raise TypeError(
