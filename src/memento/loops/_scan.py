@@ -185,6 +185,7 @@ def scan_schedule(
     _, schedule, _ = _plan(
         body, num_steps=num_steps, slots=slots, policy=policy, name=name, rows=True
     )
+    assert schedule is not None  # rows=True always plans one
     return schedule
 
 
