@@ -92,3 +92,16 @@ def test_long_scans_trace_in_constant_size():
     assert _scan.RECURSION_MIN_STEPS <= 2**20
     small, large = hlo(2**20), hlo(10**8)
     assert len(large.splitlines()) == len(small.splitlines())
+
+
+def test_scan_schedule_of_the_recursion_is_hsm(recursion):
+    # What memento.loops.scan_schedule reports for a scan run as the recursion: the HSM
+    # schedule, whose evaluations the recursion makes (above).
+    w, h0, xs = rnn_params(t=40)
+
+    def cell(h, x):
+        return jnp.tanh(w @ h + x), None
+
+    schedule = memento.loops.scan_schedule(cell, h0, xs, memory=5, policy="hsm")
+    assert schedule.policy == "hsm"
+    assert schedule.cost == memento.plan(40, 5, policy="hsm").cost

@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memento
+from memento.loops import _scan
 from memento.loops._hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 T, B, H = 32, 512, 16  # the batch dominates memory, as in data parallelism
-POLICIES = [("hsm", 4), ("ism", 40), ("msm", 8), ("auto", 6)]
+# "hsm-rec": HSM as the device recursion long scans use (`memento.loops._recursion`).
+POLICIES = [("hsm", 4), ("ism", 40), ("msm", 8), ("auto", 6), ("hsm-rec", 4)]
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +51,17 @@ def loss(w, h0, xs, scan):
 
 
 def budgeted(policy, memory):
-    return lambda f, init, xs: memento.scan(f, init, xs, memory=memory, policy=policy)
+    if policy != "hsm-rec":
+        return lambda f, init, xs: memento.scan(f, init, xs, memory=memory, policy=policy)
+
+    def scan(f, init, xs):  # scan plans when its gradient is traced, inside this call
+        saved, _scan.RECURSION_MIN_STEPS = _scan.RECURSION_MIN_STEPS, 1
+        try:
+            return memento.scan(f, init, xs, memory=memory, policy="hsm")
+        finally:
+            _scan.RECURSION_MIN_STEPS = saved
+
+    return scan
 
 
 def mesh(types=AxisType.Auto, shape=(8,), names=("b",)):
@@ -89,7 +101,7 @@ def test_jit_data_parallel(policy, memory):
     assert per_device <= 1.25 * alone / 8, (per_device, alone)
 
 
-@pytest.mark.parametrize("policy,memory", POLICIES[:2])
+@pytest.mark.parametrize("policy,memory", [*POLICIES[:2], POLICIES[-1]])
 def test_jit_explicit_sharding(policy, memory):
     # Explicit mesh axes: every value's type carries its sharding, storage included.
     w, h0, xs = data()
