@@ -55,7 +55,15 @@ Limitations:
   layers being evaluated (the paper's "working state", not charged) and schedules buffers
   its own way, so measured memory follows the budget without equalling it
   (``benchmarks/chain.py`` reports the ratio);
-- a cotangent that is already NaN makes recomputed states NaN too (the tie above).
+- a cotangent that is already NaN makes recomputed states NaN too (the tie above);
+- a uniform stack (every layer the same computation on parameters of the same shapes)
+  is not turned into a `memento.scan` automatically: scanning needs the parameters
+  stacked, and stacking per-layer parameters inside the gradient copies them and their
+  cotangents. Eight 256x256 float64 dense layers on a (256, 64) state, ``memory=1``:
+  256 KiB of temporary memory through `chain`, 8.0 MiB through `scan_layers` with the
+  parameters stacked inside the function, 1.5 MiB with them stacked beforehand. Hold
+  such parameters stacked and call `scan_layers`, whose program does not grow with the
+  depth.
 """
 
 from __future__ import annotations
