@@ -383,3 +383,24 @@ def test_scan_layers_gradient():
         assert_trees_close(jax.jit(jax.grad(f, (0, 1)), static_argnums=2)(stacked, x, memory), ref)
     with pytest.raises(TypeError, match=r"scan_layers: layer must be callable"):
         scan_layers(3, stacked, x, memory=2)
+
+
+def test_uniform_stack_stays_unrolled_not_stacked():
+    # Why chain does not scan a uniform stack itself: stacking the per-layer parameters
+    # inside the gradient costs more memory than chain's unrolled plan (docstring).
+    k = jax.random.split(jax.random.PRNGKey(0), 8)
+    ws = [jax.random.normal(k[i], (64, 64), jnp.float64) / 8 for i in range(8)]
+    x = jnp.ones((64, 16))
+
+    def via_chain(ws, x):
+        return jnp.sum(memento.chain([functools.partial(dense, w, 0.0) for w in ws], x, memory=1))
+
+    def via_scan(ws, x):
+        layer = lambda w, h: dense(w, 0.0, h)
+        return jnp.sum(scan_layers(layer, jnp.stack(ws), x, memory=1))
+
+    def temp(f):
+        return jax.jit(jax.grad(f)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+    np.testing.assert_allclose(jax.grad(via_chain)(ws, x), jax.grad(via_scan)(ws, x), rtol=1e-9)
+    assert temp(via_chain) < temp(via_scan)

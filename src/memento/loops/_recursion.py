@@ -1,8 +1,8 @@
 """The binomial (HSM) recursion run on the device, shared by `scan` and `while_loop`.
 
-Carries are kept in per-leaf stacks of slots (flat on one device; with a leading slot
-axis, each leaf its own shape and sharding, when the program may span several). The
-kept carries, in position order, form a stack with ``h_0`` (the caller's) at the bottom.
+Carries are kept in per-leaf stacks of slots (a leading slot axis; each leaf keeps its
+shape, dtype and sharding). The kept carries, in position order, form a stack with
+``h_0`` (the caller's) at the bottom.
 To back-propagate step e, look at the top of the stack, ``h_b`` with ``m = slots -
 depth`` slots for itself and what is above; while ``t = e - b + 1 >= 3`` and ``m >= 2``,
 advance ``y = hsm_split(t, m)`` steps from ``h_b`` and push ``h_{b+y}`` (at ``t = 2`` a
@@ -22,7 +22,6 @@ backward passes together make exactly the optimal ``hsm_cost(t, m)`` evaluations
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -105,37 +104,12 @@ def first_pushes(num_steps: int, slots: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------
-# Slots: one stack per carry leaf, with a leading slot axis.
+# Slots: one stack per carry leaf, with a leading slot axis
 
 
 def allocate(avals, num_slots: int) -> list:
-    """Zeroed slot stacks: ``(num_slots, *shape)`` per leaf when the program may be
-    partitioned over devices (a stored leaf keeps its sharding), else flat
-    ``(num_slots * size,)``. Flat, a slot write is an update XLA:CPU's cost model prices
-    at its own size, not the stack's; it runs a loop as one compiled kernel only while an
-    iteration accesses under 1 KiB (the thunk runtime's small-while-loop threshold), and
-    a shaped stack of over 512 bytes made every backward step pay ~1.3 us of dispatch.
-    """
-    if _pool.keep_shapes():
-        return [_pool.stack_of(a, num_slots) for a in avals]
-    out = []
-    for a in avals:
-        s = _pool.storage_aval(a)
-        out.append(_pool.zeros((num_slots * math.prod(s.shape),), s.dtype, _pool.varying(a)))
-    return out
-
-
-def _shape(stack, aval) -> tuple[tuple, int]:
-    """The stored shape of a slot of ``stack`` and its size when flat, else 0."""
-    shape = tuple(_pool.storage_aval(aval).shape)
-    return shape, (0 if stack.ndim == 1 + len(shape) else math.prod(shape))
-
-
-def _get(stack, index, aval):
-    shape, size = _shape(stack, aval)
-    if not size:
-        return lax.dynamic_index_in_dim(stack, index, 0, keepdims=False)
-    return lax.dynamic_slice_in_dim(stack, index * size, size).reshape(shape)
+    """Zeroed slot stacks, ``(num_slots, *shape)`` per leaf (`memento.loops._pool.stack_of`)."""
+    return [_pool.stack_of(a, num_slots) for a in avals]
 
 
 def write(stacks, index, values, avals, when=None) -> list:
@@ -145,12 +119,8 @@ def write(stacks, index, values, avals, when=None) -> list:
     for b, v, a in zip(stacks, values, avals):
         v = _pool.to_storage(v, a).astype(b.dtype)
         if when is not None:
-            v = jnp.where(when, v, _get(b, index, a))
-        _, size = _shape(b, a)
-        if size:
-            out.append(lax.dynamic_update_slice_in_dim(b, v.reshape(-1), index * size, 0))
-        else:
-            out.append(lax.dynamic_update_index_in_dim(b, v, index, 0))
+            v = jnp.where(when, v, lax.dynamic_index_in_dim(b, index, 0, keepdims=False))
+        out.append(lax.dynamic_update_index_in_dim(b, v, index, 0))
     return out
 
 
@@ -163,7 +133,7 @@ def load_hidden(stacks, init, slot, avals) -> list:
     if not stacks or stacks[0].size == 0:  # no slots: h_0 is the only carry kept
         return list(init)
     index = jnp.maximum(slot, 0)
-    stored = [_get(b, index, a) for b, a in zip(stacks, avals)]
+    stored = [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in stacks]
     return [
         _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
@@ -179,15 +149,9 @@ def _set(a, i, v):
     return lax.dynamic_update_index_in_dim(a, jnp.asarray(v, a.dtype), i, 0)
 
 
-def reorder(stacks, order, avals) -> list:
+def reorder(stacks, order) -> list:
     """The stacks with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
-    out = []
-    for b, a in zip(stacks, avals):
-        _, size = _shape(b, a)
-        rows = b.reshape(-1, size) if size else b
-        rows = jnp.take(rows, order, axis=0, mode="clip")
-        out.append(rows.reshape(-1) if size else rows)
-    return out
+    return [jnp.take(b, order, axis=0, mode="clip") for b in stacks]
 
 
 def backward(

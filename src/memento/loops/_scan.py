@@ -247,12 +247,13 @@ def _compile(schedule: Schedule) -> Program:
 # program of schedule rows (`_interpreter`); both make the optimal schedule's evaluations
 # (tests/loops/test_scan_recursion.py, and the conformance suite runs both). The
 # recursion plans nothing on the host: O(slots) at trace time and in memory, whatever the
-# length. The rows cost O(t) to plan, compile and embed (at 10^6 steps and 100 slots,
-# about 5 million rows: 0.9 s to trace and 0.4 s more to compile). Run time is a draw
-# (2 CPU cores, 100 slots, steady state): a 4-float tanh body 0.59 ms (recursion) against
-# 0.91 ms (rows) at 10^4 steps; a 64-wide RNN cell with outputs 21.3 against 25.2 ms; a
-# 4-wide one, small enough for XLA:CPU to run the rows' loop as one kernel and not the
-# recursion's, 78 against 60 ms at 10^5 steps.
+# length. The rows cost O(t) to plan, compile and embed: `python benchmarks/recursion.py`
+# (2 CPU cores, a 4-float tanh body, 100 slots, 10^6 steps) has the first call at 1.32 s
+# as rows against 0.19 s as the recursion. It also found the recursion no slower per
+# gradient on the bodies it runs (0.58 against 0.92 ms for that body at 10^4 steps; an
+# RNN cell of width 4 with outputs, 10^5 steps: 64 against 70 ms; width 64: 24 against
+# 26 ms), so this threshold could come down; it stays where earlier versions of the
+# recursion were measured slower on small bodies until a wider sweep says otherwise.
 RECURSION_MIN_STEPS = 2**19
 
 
@@ -285,7 +286,8 @@ def _plan(
         return spec, schedule, None
     m = slots
     while True:
-        schedule = choose_schedule(num_steps, m, alpha, chosen, name=name)
+        # Fewer slots may change what auto picks: choose again at each size.
+        schedule = choose_schedule(num_steps, m, alpha, policy, name=name)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes

@@ -129,11 +129,12 @@ def while_loop(
         never slower per gradient: the backward (`memento.loops._recursion`) keeps slot
         d - 1 for stack depth d and reads splits from a table, so a push costs O(1)
         whatever the budget. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps (2 shared CPU
-        cores): 4/8/16/32/64/128 slots take 4.7/3.5/3.4/3.1/2.9/2.8 ms; of a 256-wide
-        MLP, 39/24/18/17/15/14 ms. (The loop it replaced kept a free list and found
-        each split with nested loops; a backward iteration then exceeded the 1 KiB of
-        memory traffic under which XLA:CPU compiles a loop as one kernel, and a tiny
-        body paid ~1.4 us per step once its slots held more than 512 bytes.)
+        cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots take
+        5.1/3.5/3.5/3.2/3.0/3.0 ms; of a 256-wide MLP, 39/24/18/16/14/14 ms. (The loop it
+        replaced kept a free list and found each split with nested loops; a backward
+        iteration then exceeded the 1 KiB of memory traffic under which XLA:CPU
+        compiles a loop as one kernel, and a tiny body paid ~1.4 us per step once its
+        slots held more than 512 bytes.)
 
     Example:
         >>> def solve(x):  # doctest: +SKIP
@@ -437,7 +438,7 @@ def _differentiable_run(
             return ct_b
 
         # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-        hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
+        hidden = _recursion.reorder(hidden, stack_slot[1:])
         ct_k, ct_init, ct_b = _recursion.backward(
             b, slots, max_t, consts, init, [], hidden, n - 1, stack_pos, depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,

@@ -1,0 +1,139 @@
+"""HSM as schedule rows against HSM as the device recursion; while_loop's time by budget.
+
+Two questions behind `memento.loops._scan.RECURSION_MIN_STEPS` and the budget claims of
+`memento.while_loop`:
+
+- ``scan``: the same gradient (``policy="hsm"``) run as a program of schedule rows
+  (`_interpreter`) and as the recursion on the device (`_recursion`), forced either way,
+  on three bodies: a 4-float ``tanh`` carry with no outputs; an RNN cell of width 4 with
+  outputs and a weight gradient; the same at width 64. Steady-state time (median of 5)
+  and the first call (trace + plan + compile + run) of ``jax.jit(jax.grad)``.
+- ``while_loop``: a 1000-step RK4 integration of a 4-to-W-to-4 tanh MLP (W = 8, 256),
+  its gradient's steady time for budgets of 4 to 128 slots.
+
+Run:  PYTHONPATH=src python benchmarks/recursion.py [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _common  # noqa: I001
+
+import jax
+import jax.numpy as jnp
+
+import memento
+from memento.loops import _scan
+
+
+def _steady(f, *args, repeats=5) -> float:
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _scan_loss(body: str, T: int, memory: int):
+    if body == "tanh4":
+        xs = jnp.full((T,), 1e-3, jnp.float32)
+
+        def loss(args):
+            return memento.scan(
+                lambda c, x: (jnp.tanh(c * 1.01 + x), None), args, xs, memory=memory,
+                policy="hsm",
+            )[0].sum()  # fmt: skip
+
+        return loss, jnp.ones(4, jnp.float32)
+    width = int(body.removeprefix("rnn"))
+    w0 = jax.random.normal(jax.random.PRNGKey(0), (width, width)) / width**0.5
+    xs = jnp.full((T, width), 1e-3, jnp.float32)
+
+    def loss(w):
+        def cell(h, x):
+            h = jnp.tanh(w @ h + x)
+            return h, h.sum()
+
+        h, ys = memento.scan(cell, jnp.ones(width), xs, memory=memory, policy="hsm")
+        return h.sum() + ys.sum()
+
+    return loss, w0
+
+
+def scan_rows(out: list) -> None:
+    for body, T, memory in [
+        ("tanh4", 10**4, 100),
+        ("tanh4", 10**6, 100),
+        ("rnn4", 10**5, 100),
+        ("rnn64", 10**4, 30),
+    ]:
+        for path in ("rows", "recursion"):
+            _scan.RECURSION_MIN_STEPS = 1 if path == "recursion" else 2**62
+            loss, arg = _scan_loss(body, T, memory)
+            grad = jax.jit(jax.grad(loss))
+            start = time.perf_counter()
+            jax.block_until_ready(grad(arg))
+            first = time.perf_counter() - start
+            row = {"body": body, "T": T, "memory": memory, "path": path, "first_s": first,
+                   "steady_s": _steady(grad, arg)}  # fmt: skip
+            out.append(row)
+            print(row, file=sys.stderr, flush=True)
+    _scan.RECURSION_MIN_STEPS = 2**19
+
+
+def while_budgets(out: list) -> None:
+    for width in (8, 256):
+        k = jax.random.split(jax.random.PRNGKey(0), 2)
+        w1 = jax.random.normal(k[0], (width, 4)) * 0.3
+        w2 = jax.random.normal(k[1], (4, width)) * 0.3
+
+        def f(y, w1=w1, w2=w2):
+            return w2 @ jnp.tanh(w1 @ y)
+
+        def body(s, f=f):
+            i, y = s
+            h = 0.01
+            k1 = f(y)
+            k2 = f(y + h / 2 * k1)
+            k3 = f(y + h / 2 * k2)
+            k4 = f(y + h * k3)
+            return i + 1, y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+
+        for memory in (4, 8, 16, 32, 64, 128):
+
+            def loss(y0, memory=memory, body=body):
+                final = memento.while_loop(
+                    lambda s: s[0] < 1000, body, (0, y0), max_steps=2000, memory=memory
+                )
+                return final[1].sum()
+
+            row = {"width": width, "memory": memory,
+                   "steady_s": _steady(jax.jit(jax.grad(loss)), jnp.ones(4))}  # fmt: skip
+            out.append(row)
+            print(row, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "recursion.json"))
+    args = parser.parse_args(argv)
+    scan, loop = [], []
+    scan_rows(scan)
+    while_budgets(loop)
+    data = {"machine": _common.machine(), "git": _common.git_state(), "scan": scan,
+            "while_loop": loop}  # fmt: skip
+    print(_common.write_json(args.out, data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
