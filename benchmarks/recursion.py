@@ -1,13 +1,14 @@
 """HSM as schedule rows against HSM as the device recursion; while_loop's time by budget.
 
-Two questions behind `memento.loops._scan.RECURSION_MIN_STEPS` and the budget claims of
+Two questions behind `memento.loops._scan.recursion_min_steps()` and the budget claims of
 `memento.while_loop`:
 
 - ``scan``: the same gradient (``policy="hsm"``) run as a program of schedule rows
   (`_interpreter`) and as the recursion on the device (`_recursion`), forced either way,
   on three bodies: a 4-float ``tanh`` carry with no outputs; an RNN cell of width 4 with
   outputs and a weight gradient; the same at width 64. Steady-state time (median of 5)
-  and the first call (trace + plan + compile + run) of ``jax.jit(jax.grad)``.
+  and the first call (trace + plan + compile + run) of ``jax.jit(jax.grad)``, with its
+  lowering and compile times (``--cases`` picks other bodies and sizes).
 - ``while_loop``: a 1000-step RK4 integration of a 4-to-W-to-4 tanh MLP (W = 8, 256),
   its gradient's steady time for budgets of 4 to 128 slots.
 
@@ -69,25 +70,31 @@ def _scan_loss(body: str, T: int, memory: int):
     return loss, w0
 
 
-def scan_rows(out: list) -> None:
-    for body, T, memory in [
-        ("tanh4", 10**4, 100),
-        ("tanh4", 10**6, 100),
-        ("rnn4", 10**5, 100),
-        ("rnn64", 10**4, 30),
-    ]:
+CASES = "tanh4:1e4:100,tanh4:1e6:100,rnn4:1e5:100,rnn64:1e4:30"
+
+
+def scan_rows(out: list, cases: str = CASES) -> None:
+    for case in cases.split(","):
+        body, steps, memory = case.split(":")
+        T = int(float(steps))
         for path in ("rows", "recursion"):
             _scan.RECURSION_MIN_STEPS = 1 if path == "recursion" else 2**62
-            loss, arg = _scan_loss(body, T, memory)
-            grad = jax.jit(jax.grad(loss))
+            memento.loops._budget._plan.cache_clear()
+            _scan._compile.cache_clear()
+            loss, arg = _scan_loss(body, T, int(memory))
             start = time.perf_counter()
+            lowered = jax.jit(jax.grad(loss)).lower(arg)
+            lower = time.perf_counter()
+            grad = lowered.compile()
+            compiled = time.perf_counter()
             jax.block_until_ready(grad(arg))
-            first = time.perf_counter() - start
-            row = {"body": body, "T": T, "memory": memory, "path": path, "first_s": first,
-                   "steady_s": _steady(grad, arg)}  # fmt: skip
+            first = time.perf_counter()
+            row = {"body": body, "T": T, "memory": int(memory), "path": path,
+                   "first_s": first - start, "lower_s": lower - start,
+                   "compile_s": compiled - lower, "steady_s": _steady(grad, arg)}  # fmt: skip
             out.append(row)
             print(row, file=sys.stderr, flush=True)
-    _scan.RECURSION_MIN_STEPS = 2**19
+    _scan.RECURSION_MIN_STEPS = None  # the platform's
 
 
 def while_budgets(out: list) -> None:
@@ -125,10 +132,13 @@ def while_budgets(out: list) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "recursion.json"))
+    parser.add_argument("--cases", default=CASES, help="scan cases, body:steps:memory,...")
+    parser.add_argument("--no-while", action="store_true", help="skip the while_loop sweep")
     args = parser.parse_args(argv)
     scan, loop = [], []
-    scan_rows(scan)
-    while_budgets(loop)
+    scan_rows(scan, args.cases)
+    if not args.no_while:
+        while_budgets(loop)
     data = {"machine": _common.machine(), "git": _common.git_state(), "scan": scan,
             "while_loop": loop}  # fmt: skip
     print(_common.write_json(args.out, data))

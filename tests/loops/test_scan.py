@@ -281,7 +281,9 @@ def _grad_hlo(num_steps, memory):
     return compiled
 
 
-def test_program_size_constant_in_steps():
+def test_program_size_constant_in_steps(monkeypatch):
+    # The rows program (the recursion's: tests/loops/test_scan_recursion.py).
+    monkeypatch.setattr("memento.loops._scan.RECURSION_MIN_STEPS", 2**62)
     small = _grad_hlo(100, 10).as_text()
     large = _grad_hlo(100_000, 10).as_text()
     n_small, n_large = len(small.splitlines()), len(large.splitlines())

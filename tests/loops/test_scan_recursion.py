@@ -77,7 +77,7 @@ def test_slots_follow_the_budget(recursion):
 
 
 def test_long_scans_trace_in_constant_size():
-    # Past RECURSION_MIN_STEPS nothing on the trace path grows with the length: the
+    # Past recursion_min_steps() nothing on the trace path grows with the length: the
     # program of 10^8 steps is that of 2^20 (xs abstract, nothing is run).
     def hlo(t):
         def loss(c, xs):
@@ -89,7 +89,7 @@ def test_long_scans_trace_in_constant_size():
         xs = jax.ShapeDtypeStruct((t,), jnp.float32)
         return jax.jit(jax.grad(loss)).lower(jnp.ones(4), xs).as_text()
 
-    assert _scan.RECURSION_MIN_STEPS <= 2**20
+    assert _scan.recursion_min_steps() <= 2**20
     small, large = hlo(2**20), hlo(10**8)
     assert len(large.splitlines()) == len(small.splitlines())
 

@@ -243,18 +243,30 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule, schedule.memory + 1)
 
 
-# HSM runs as a recursion on the device (`_recursion`) from this many steps on, below as a
-# program of schedule rows (`_interpreter`); both make the optimal schedule's evaluations
-# (tests/loops/test_scan_recursion.py, and the conformance suite runs both). The
-# recursion plans nothing on the host: O(slots) at trace time and in memory, whatever the
-# length. The rows cost O(t) to plan, compile and embed: `python benchmarks/recursion.py`
-# (2 CPU cores, a 4-float tanh body, 100 slots, 10^6 steps) has the first call at 1.32 s
-# as rows against 0.19 s as the recursion. It also found the recursion no slower per
-# gradient on the bodies it runs (0.58 against 0.92 ms for that body at 10^4 steps; an
-# RNN cell of width 4 with outputs, 10^5 steps: 64 against 70 ms; width 64: 24 against
-# 26 ms), so this threshold could come down; it stays where earlier versions of the
-# recursion were measured slower on small bodies until a wider sweep says otherwise.
-RECURSION_MIN_STEPS = 2**19
+# HSM runs as a recursion on the device (`_recursion`) from `recursion_min_steps()`
+# steps on, below as a program of schedule rows (`_interpreter`); both make the optimal
+# schedule's evaluations (tests/loops/test_scan_recursion.py, and the conformance suite
+# runs both). The recursion plans nothing on the host: O(slots) at trace time and in
+# memory, whatever the length. The rows cost O(t) to plan and are a constant of O(t) in
+# the program. `python benchmarks/recursion.py --no-while --cases ...`, same gradient
+# forced either way (results/recursion*.json):
+# - CPU (2 cores): the rows' first call is up to 30% faster on small bodies up to 3e4
+#   steps (an RNN cell of width 64: 0.22 against 0.27 s at 10^3 steps, 0.34 against
+#   0.39 s at 3e4), the recursion's from 1e5 on (0.50 against 0.56 s; a 4-float tanh
+#   body 0.13 against 0.16 s; at 10^6, 0.19 against 1.32 s). Per gradient they are even
+#   (-35% to +10%), the recursion ahead from 3e4 steps on.
+# - GPU (H100): XLA compiles the rows' constant slowly, 1.4 s against 0.29 s at 10^4
+#   steps and 12 s at 10^5 (the tanh body); per gradient the recursion is faster too
+#   (1.86 against 2.32 s at 10^4). So off the CPU every HSM scan runs as the recursion.
+RECURSION_MIN_STEPS: int | None = None  # an int overrides the platform's (tests, benchmarks)
+_RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
+
+
+def recursion_min_steps() -> int:
+    """The length from which an HSM scan runs as the recursion, on the default backend."""
+    if RECURSION_MIN_STEPS is not None:
+        return RECURSION_MIN_STEPS
+    return _RECURSION_FROM.get(jax.default_backend(), 1)
 
 
 def _plan(
@@ -270,7 +282,7 @@ def _plan(
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated.
-    An HSM scan of `RECURSION_MIN_STEPS` or more runs as the recursion: no program, and
+    An HSM scan of `recursion_min_steps()` or more runs as the recursion: no program, and
     no schedule unless ``rows`` (then the HSM schedule, whose evaluations it makes).
     Otherwise the pools must fit the budget: when their layout cannot share memory
     exactly as the schedule does (several dtypes, or the shaped layout of several
@@ -281,7 +293,7 @@ def _plan(
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
     chosen = choose_policy(num_steps, slots, alpha, policy, name=name)
-    if chosen == "hsm" and num_steps >= RECURSION_MIN_STEPS:
+    if chosen == "hsm" and num_steps >= recursion_min_steps():
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
         return spec, schedule, None
     m = slots
