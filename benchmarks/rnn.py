@@ -545,7 +545,8 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         f"Measured on {m.get('processor', '?')} ({m.get('cpu_count', '?')} CPUs, shared with "
-        f"other jobs), jax {m.get('jax', '?')}, XLA_FLAGS={m.get('xla_flags', '')!r}"
+        f"other jobs), devices {', '.join(m.get('devices', ['?']))}, jax {m.get('jax', '?')}, "
+        f"XLA_FLAGS={m.get('xla_flags', '')!r}"
         + (f", commit {git['commit'][:7]}" if git else "")
         + (
             f" with uncommitted {', '.join(git['uncommitted_src'])}"

@@ -80,7 +80,8 @@ def test_gradients_equal_unrolled(memory):
         ref = jax.grad(loss_unrolled, argnums=(0, 1, 2))(w, b, h0, n)
         assert_close(g, ref)
         value, _ = loss_while(w, b, h0, n, memory)
-        np.testing.assert_allclose(value, loss_unrolled(w, b, h0, n), rtol=1e-14)
+        # 1e-13: on a GPU, XLA fuses the loop and the unrolled chain differently (5e-14 seen).
+        np.testing.assert_allclose(value, loss_unrolled(w, b, h0, n), rtol=1e-13)
 
 
 def test_runs_past_max_steps_stop_there():
