@@ -18,7 +18,9 @@ carry; gradient with respect to the initial carry):
 For each: ``first_s`` (trace + plan + compile + first run, a fresh ``jax.jit``),
 ``lower_s``, ``compile_s``, ``steady_s`` (median of 3 further runs) and
 ``temp_kib`` (``memory_analysis().temp_size_in_bytes``), and memento's first call over
-``lax.scan``'s at each T (issue 12's target: at most 2 at T = 1e6). Sizes a method cannot
+``lax.scan``'s at each T (issue 12's target: at most 2 at T = 1e6), and at T = 1e6 for
+budgets of 100, 1000 and 10,000 slots (``budgets_at_1e6``, each beside a ``lax.scan``
+first call of its own). Sizes a method cannot
 handle on this host (memory, time) are skipped and the reason recorded.
 
 Run:  PYTHONPATH=src python benchmarks/long.py [--max-exp 8] [--out PATH]
@@ -52,13 +54,13 @@ def step(c, x):
     return jnp.tanh(c * 1.01 + x), None
 
 
-def make_loss(method: str, T: int):
+def make_loss(method: str, T: int, memory: int = MEMORY):
     xs = jnp.full((T,), 1e-3, jnp.float32)
     if method == "lax_scan":
         return lambda c: lax.scan(step, c, xs)[0].sum()
     if method in ("memento_hsm", "memento_auto"):
         policy = method.split("_")[1]
-        return lambda c: memento.scan(step, c, xs, memory=MEMORY, policy=policy)[0].sum()
+        return lambda c: memento.scan(step, c, xs, memory=memory, policy=policy)[0].sum()
     if method == "nested_sqrt":
         outer = 10 ** (round(math.log10(T)) // 2)
         inner = T // outer
@@ -99,12 +101,12 @@ LIMITS = {
 }  # fmt: skip
 
 
-def measure(method: str, T: int) -> dict:
+def measure(method: str, T: int, memory: int = MEMORY) -> dict:
     # A first call plans and compiles its schedule: memento's caches must not carry a
     # plan over from another method at the same T.
     memento.loops._budget._plan.cache_clear()
     memento.loops._scan._compile.cache_clear()
-    loss = make_loss(method, T)
+    loss = make_loss(method, T, memory)
     c0 = jnp.ones(CARRY, jnp.float32)
     t0 = time.perf_counter()
     lowered = jax.jit(jax.grad(loss)).lower(c0)
@@ -122,6 +124,7 @@ def measure(method: str, T: int) -> dict:
     return {
         "method": method,
         "T": T,
+        "memory": memory,
         "first_s": t3 - t0,
         "lower_s": t1 - t0,
         "compile_s": t2 - t1,
@@ -164,6 +167,15 @@ def main(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+    # HSM evaluates each step at least twice: the first call at 10^6 steps by budget.
+    budgets = []
+    if args.max_exp >= 6:
+        for memory in (MEMORY, 1000, 10_000):
+            for method in ("lax_scan", "memento_hsm"):
+                budgets.append(measure(method, 10**6, memory))
+            lax_first, hsm_first = budgets[-2]["first_s"], budgets[-1]["first_s"]
+            print(f"T=1e6 memory={memory}: memento_hsm first call / lax.scan's "
+                  f"{hsm_first / lax_first:.2f}", file=sys.stderr, flush=True)  # fmt: skip
     # The issue's target: memento's first call within 2x lax.scan's, at each T.
     first = {(r["method"], r["T"]): r["first_s"] for r in results}
     ratios = [
@@ -182,6 +194,7 @@ def main(argv=None) -> int:
         "skipped": skipped,
         "plan": plans,
         "first_call_ratios": ratios,
+        "budgets_at_1e6": budgets,
     }
     path = _common.write_json(args.out, data)
     print(path)
