@@ -229,7 +229,9 @@ def _stack_tops(prog: Program) -> np.ndarray:
 
 
 def x_at(xs, p):
-    return [lax.dynamic_index_in_dim(x, p, 0, keepdims=False) for x in xs]
+    return [
+        lax.dynamic_index_in_dim(x, p, 0, keepdims=False, allow_negative_indices=False) for x in xs
+    ]
 
 
 # ----------------------------------------------------------------------------------------

@@ -36,6 +36,27 @@ from ._interpreter import advance_steps, apply_pullback, x_at
 _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
 
+# Every index here is in range by construction: reading and writing with lax's dynamic
+# slices, negative indices not wrapped and conditions selected by `lax.select`, keeps
+# the loops' programs (and their tracing) smaller than ``a[i]`` and ``jnp.where`` do.
+def _get(a, i):
+    """``a[i]`` along the first axis, for ``0 <= i < len(a)``."""
+    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
+
+
+def _put(a, i, v):
+    """``a.at[i].set(v)`` along the first axis, as an in-place update."""
+    v = jnp.asarray(v).astype(a.dtype)
+    return lax.dynamic_update_index_in_dim(a, v, i, 0, allow_negative_indices=False)
+
+
+def _pick(when, yes, no):
+    """``jnp.where`` for a scalar ``when`` and values of one type."""
+    dtype = jnp.result_type(yes, no)  # a Python int takes the other's type
+    yes, no = jnp.asarray(yes, dtype), jnp.asarray(no, dtype)
+    return lax.select(jnp.broadcast_to(when, yes.shape), yes, no)
+
+
 @functools.lru_cache(maxsize=32)
 def _binomials(slots: int, max_t: int) -> tuple[np.ndarray, np.ndarray]:
     """``B(m, w) = binom(m + w, w)`` for ``1 <= m <= slots``, as far as splits of up to
@@ -76,15 +97,16 @@ def hsm_splitter(slots: int, max_t: int) -> Callable:
         tab, off = jnp.asarray(table), jnp.asarray(offsets)
 
         def b(m, w):  # binom(m + w, w), w >= 0
-            return tab[off[m] + w]
+            return _get(tab, _get(off, m) + w)
 
         s = t - 2
-        w = lax.while_loop(lambda w: b(m, w) < t, lambda w: w + 1, jnp.int32(1))
-        base_g = jnp.where(w >= 2, b(m, jnp.maximum(w - 2, 0)) - 1, 0)
+        row = _get(off, m)
+        w = lax.while_loop(lambda w: _get(tab, row + w) < t, lambda w: w + 1, jnp.int32(1))
+        base_g = _pick(w >= 2, b(m, jnp.maximum(w - 2, 0)) - 1, 0)
         h_level = b(m - 1, w - 1)  # binom(m + w - 2, w - 1)
-        n_g = jnp.where(w >= 2, h_level, 0)
+        n_g = _pick(w >= 2, h_level, 0)
         taken = base_g + jnp.minimum(s - base_g - (h_level - 1), n_g)
-        return 1 + jnp.where(s <= 0, 0, taken)
+        return 1 + _pick(s <= 0, 0, taken)
 
     return split
 
@@ -119,8 +141,8 @@ def write(stacks, index, values, avals, when=None) -> list:
     for b, v, a in zip(stacks, values, avals):
         v = _pool.to_storage(v, a).astype(b.dtype)
         if when is not None:
-            v = jnp.where(when, v, lax.dynamic_index_in_dim(b, index, 0, keepdims=False))
-        out.append(lax.dynamic_update_index_in_dim(b, v, index, 0))
+            v = _pick(when, v, _get(b, index))
+        out.append(_put(b, index, v))
     return out
 
 
@@ -133,20 +155,15 @@ def load_hidden(stacks, init, slot, avals) -> list:
     if not stacks or stacks[0].size == 0:  # no slots: h_0 is the only carry kept
         return list(init)
     index = jnp.maximum(slot, 0)
-    stored = [lax.dynamic_index_in_dim(b, index, 0, keepdims=False) for b in stacks]
+    stored = [_get(b, index) for b in stacks]
     return [
-        _pool.from_storage(jnp.where(slot < 0, _pool.to_storage(a, v), b), v)
+        _pool.from_storage(_pick(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
     ]
 
 
 # ----------------------------------------------------------------------------------------
 # The backward pass
-
-
-def _set(a, i, v):
-    """``a.at[i].set(v)`` for a scalar ``i``, as an in-place update (not a scatter)."""
-    return lax.dynamic_update_index_in_dim(a, jnp.asarray(v, a.dtype), i, 0)
 
 
 def reorder(stacks, order) -> list:
@@ -214,14 +231,14 @@ def backward(
         # (its results discarded) until the last member is; it must not push.
         ok = (e >= 0) & (e - p + 1 >= 3) & (slots - depth >= 2)
         # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
-        y = split(jnp.where(ok, e - p + 1, 3), jnp.where(ok, slots - depth, 2))
-        return jnp.where(ok, p + y, never)
+        y = split(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
+        return _pick(ok, p + y, never)
 
     def step(state):
         e, stacks, stack_pos, depth, ct_c, ct_k, aux = state
         # Pop the carry whose step was the last back-propagated.
-        depth = depth - ((stack_pos[depth] > e) & (depth > 0)).astype(jnp.int32)
-        b = stack_pos[depth]
+        depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
+        b = _get(stack_pos, depth)
         c = load_hidden(stacks, init, depth - 1, body.carry_avals)
         if slots > 1:
             # Advance from push to push, writing each, then on to h_e: one loop.
@@ -232,7 +249,8 @@ def backward(
                 c = advance_steps(body, consts, c, xs, p, to - p)
                 push = q < e
                 stacks = write(stacks, depth, c, body.carry_avals, push)  # at depth + 1
-                stack_pos = _set(stack_pos, depth + 1, jnp.where(push, q, stack_pos[depth + 1]))
+                above = _pick(push, q, _get(stack_pos, depth + 1))
+                stack_pos = _put(stack_pos, depth + 1, above)
                 return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
 
             state = (c, stacks, stack_pos, depth, b, jnp.bool_(True))
@@ -271,7 +289,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
 
     def step(state, _):
         p, c, stacks, ptr = state
-        keep = at[ptr] == p
+        keep = _get(at, ptr) == p
         if slots > 1:
             stacks = write(stacks, ptr, c, body.carry_avals, keep)
         c, y = body(consts, c, x_at(xs, p))
@@ -296,12 +314,10 @@ def scan_backward(
     xs_f, _ = split(xs, body.x_mask)
 
     def take_cts(e, ys, aux):
-        return [lax.dynamic_index_in_dim(y, e, 0, keepdims=False) for y in ct_ys], aux
+        return [_get(y, e) for y in ct_ys], aux
 
     def give_cts(e, d_x, ct_xs):
-        return [
-            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), e, 0) for a, b in zip(ct_xs, d_x)
-        ]
+        return [_put(a, e, b.astype(a.dtype)) for a, b in zip(ct_xs, d_x)]
 
     # Step t-1 from the residuals the forward pass kept.
     pullback = body.restore(spec, working, consts, [x[t - 1] for x in xs])
