@@ -104,6 +104,28 @@ def time_once(call: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def first_call(f: Callable, *args) -> tuple[Any, dict[str, float]]:
+    """``jax.jit(f)``'s first call on ``args``, timed by stage.
+
+    Returns:
+        The compiled function and ``{"first_s", "lower_s", "compile_s", "first_run_s"}``:
+        the whole first call (trace + plan + lower, compile, run), then each stage.
+    """
+    start = time.perf_counter()
+    lowered = jax.jit(f).lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    done = time.perf_counter()
+    return compiled, {
+        "first_s": done - start,
+        "lower_s": lowered_at - start,
+        "compile_s": compiled_at - lowered_at,
+        "first_run_s": done - compiled_at,
+    }
+
+
 def time_round_robin(
     calls: Mapping[str, Callable[[], Any]], *, repeats: int = 5, log: Callable | None = None
 ) -> dict[str, list[float]]:

@@ -108,27 +108,14 @@ def measure(method: str, T: int, memory: int = MEMORY) -> dict:
     memento.loops._scan._compile.cache_clear()
     loss = make_loss(method, T, memory)
     c0 = jnp.ones(CARRY, jnp.float32)
-    t0 = time.perf_counter()
-    lowered = jax.jit(jax.grad(loss)).lower(c0)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    jax.block_until_ready(compiled(c0))
-    t3 = time.perf_counter()
-    runs = []
-    for _ in range(3):
-        s = time.perf_counter()
-        jax.block_until_ready(compiled(c0))
-        runs.append(time.perf_counter() - s)
+    compiled, first = _common.first_call(jax.grad(loss), c0)
+    runs = [_common.time_once(lambda: compiled(c0)) for _ in range(3)]
     mem = compiled.memory_analysis()
     return {
         "method": method,
         "T": T,
         "memory": memory,
-        "first_s": t3 - t0,
-        "lower_s": t1 - t0,
-        "compile_s": t2 - t1,
-        "first_run_s": t3 - t2,
+        **first,
         "steady_s": statistics.median(runs),
         "temp_kib": mem.temp_size_in_bytes / 1024 if mem is not None else None,
     }

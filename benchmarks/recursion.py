@@ -82,16 +82,9 @@ def scan_rows(out: list, cases: str = CASES) -> None:
             memento.loops._budget._plan.cache_clear()
             _scan._compile.cache_clear()
             loss, arg = _scan_loss(body, T, int(memory))
-            start = time.perf_counter()
-            lowered = jax.jit(jax.grad(loss)).lower(arg)
-            lower = time.perf_counter()
-            grad = lowered.compile()
-            compiled = time.perf_counter()
-            jax.block_until_ready(grad(arg))
-            first = time.perf_counter()
-            row = {"body": body, "T": T, "memory": int(memory), "path": path,
-                   "first_s": first - start, "lower_s": lower - start,
-                   "compile_s": compiled - lower, "steady_s": _steady(grad, arg)}  # fmt: skip
+            grad, first = _common.first_call(jax.grad(loss), arg)
+            row = {"body": body, "T": T, "memory": int(memory), "path": path, **first,
+                   "steady_s": _steady(grad, arg)}  # fmt: skip
             out.append(row)
             print(row, file=sys.stderr, flush=True)
     _scan.RECURSION_MIN_STEPS = None  # the platform's

@@ -11,9 +11,14 @@ Run:  XLA_FLAGS="..." PYTHONPATH=src python benchmarks/xla_flags.py [steps]
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _common  # noqa: I001
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +43,11 @@ def main(argv=None) -> int:
     }
     print("XLA_FLAGS", repr(os.environ.get("XLA_FLAGS", "")), jax.devices())
     for name, loss in losses.items():
-        start = time.perf_counter()
-        compiled = jax.jit(jax.grad(loss)).lower(c0).compile()
-        built = time.perf_counter()
-        jax.block_until_ready(compiled(c0))
-        first = time.perf_counter()
-        runs = []
-        for _ in range(3):
-            s = time.perf_counter()
-            jax.block_until_ready(compiled(c0))
-            runs.append(time.perf_counter() - s)
+        compiled, first = _common.first_call(jax.grad(loss), c0)
+        steady = min(_common.time_once(functools.partial(compiled, c0)) for _ in range(3))
         print(
-            f"{name:5s} T={steps:.0e} lower+compile {built - start:.3f}s "
-            f"first run {first - built:.3f}s steady {min(runs):.4f}s",
+            f"{name:5s} T={steps:.0e} lower+compile {first['lower_s'] + first['compile_s']:.3f}s "
+            f"first run {first['first_run_s']:.3f}s steady {steady:.4f}s",
             flush=True,
         )
     return 0
