@@ -248,16 +248,17 @@ def _compile(schedule: Schedule) -> Program:
 # schedule's evaluations (tests/loops/test_scan_recursion.py, and the conformance suite
 # runs both). The recursion plans nothing on the host: O(slots) at trace time and in
 # memory, whatever the length. The rows cost O(t) to plan and are a constant of O(t) in
-# the program. `python benchmarks/recursion.py --no-while --cases ...`, same gradient
-# forced either way (results/recursion*.json):
-# - CPU (2 cores): the rows' first call is up to 30% faster on small bodies up to 3e4
-#   steps (an RNN cell of width 64: 0.22 against 0.27 s at 10^3 steps, 0.34 against
-#   0.39 s at 3e4), the recursion's from 1e5 on (0.50 against 0.56 s; a 4-float tanh
-#   body 0.13 against 0.16 s; at 10^6, 0.19 against 1.32 s). Per gradient they are even
-#   (-35% to +10%), the recursion ahead from 3e4 steps on.
-# - GPU (H100): XLA compiles the rows' constant slowly, 1.4 s against 0.29 s at 10^4
-#   steps and 12 s at 10^5 (the tanh body); per gradient the recursion is faster too
-#   (1.86 against 2.32 s at 10^4). So off the CPU every HSM scan runs as the recursion.
+# the program. `python benchmarks/recursion.py`, same gradient forced either way
+# (results/recursion.json, recursion_small.json with ``--no-while --cases ...``):
+# - CPU (2 cores): on small bodies below 3e4 steps the recursion's first call is up to
+#   25% slower (an RNN cell of width 64: 0.25 against 0.20 s at 10^3 steps; even at
+#   3e4), from 1e5 on faster (0.51 against 0.57 s; a 4-float tanh body 0.16 against
+#   0.20 s; at 10^6, 0.17 against 1.19 s). Per gradient they are within -35% to +12%
+#   of each other, the recursion ahead from 3e4 steps on but for one cell of width 4.
+# - GPU (H100, results/gpu/recursion.json): XLA compiles the rows' constant slowly,
+#   1.18 against 0.26 s at 10^4 steps and 12 s at 10^5 (the tanh body); per gradient
+#   the recursion is faster too (1.74 against 2.13 s at 10^4). So off the CPU every HSM
+#   scan runs as the recursion.
 RECURSION_MIN_STEPS: int | None = None  # an int overrides the platform's (tests, benchmarks)
 _RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
 
