@@ -44,14 +44,14 @@ def _steady(f, *args, repeats=5) -> float:
     return statistics.median(times)
 
 
-def _scan_loss(body: str, T: int, memory: int):
+def _scan_loss(body: str, T: int, memory: int, executor: str = "auto"):
     if body == "tanh4":
         xs = jnp.full((T,), 1e-3, jnp.float32)
 
         def loss(args):
             return memento.scan(
                 lambda c, x: (jnp.tanh(c * 1.01 + x), None), args, xs, memory=memory,
-                policy="hsm",
+                policy="hsm", executor=executor,
             )[0].sum()  # fmt: skip
 
         return loss, jnp.ones(4, jnp.float32)
@@ -64,7 +64,9 @@ def _scan_loss(body: str, T: int, memory: int):
             h = jnp.tanh(w @ h + x)
             return h, h.sum()
 
-        h, ys = memento.scan(cell, jnp.ones(width), xs, memory=memory, policy="hsm")
+        h, ys = memento.scan(
+            cell, jnp.ones(width), xs, memory=memory, policy="hsm", executor=executor
+        )
         return h.sum() + ys.sum()
 
     return loss, w0
@@ -78,16 +80,14 @@ def scan_rows(out: list, cases: str = CASES) -> None:
         body, steps, memory = case.split(":")
         T = int(float(steps))
         for path in ("rows", "recursion"):
-            _scan.RECURSION_MIN_STEPS = 1 if path == "recursion" else 2**62
             memento.loops._budget._plan.cache_clear()
             _scan._compile.cache_clear()
-            loss, arg = _scan_loss(body, T, int(memory))
+            loss, arg = _scan_loss(body, T, int(memory), executor=path)
             grad, first = _common.first_call(jax.grad(loss), arg)
             row = {"body": body, "T": T, "memory": int(memory), "path": path, **first,
                    "steady_s": _steady(grad, arg)}  # fmt: skip
             out.append(row)
             print(row, file=sys.stderr, flush=True)
-    _scan.RECURSION_MIN_STEPS = None  # the platform's
 
 
 def while_budgets(out: list) -> None:

@@ -15,7 +15,6 @@ import numpy as np
 from jax import lax
 
 import memento
-from memento.loops import _scan
 
 T = 9  # the length most tests use; budgets below are chosen against it
 
@@ -31,16 +30,11 @@ class Variant:
     def __call__(self, f, init, xs=None, length=None, reverse=False, unroll=1):
         if self.memory is None:
             return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
-        # Scan plans when its gradient is traced, inside this call.
-        saved = _scan.RECURSION_MIN_STEPS
-        _scan.RECURSION_MIN_STEPS = 1 if self.recursion else 2**62
-        try:
-            return memento.scan(
-                f, init, xs, length, reverse, max(unroll, self.unroll),
-                memory=self.memory, policy=self.policy,
-            )  # fmt: skip
-        finally:
-            _scan.RECURSION_MIN_STEPS = saved
+        return memento.scan(
+            f, init, xs, length, reverse, max(unroll, self.unroll),
+            memory=self.memory, policy=self.policy,
+            executor="recursion" if self.recursion else "rows",
+        )  # fmt: skip
 
     def __repr__(self):
         return self.name

@@ -9,10 +9,10 @@ import memento
 from memento.loops import _pool
 
 
-def _pools(hidden, internal, base=10):
+def _pools(hidden, internal):
     avals = lambda xs: [jax.typeof(x) for x in xs]
     # room for one hidden state below one internal state, and one internal state alone
-    return _pool.Pools.of(avals(hidden), avals(internal), np.array([[1, 1], [0, 1]]), base)
+    return _pool.Pools.of(avals(hidden), avals(internal), np.array([[1, 1], [0, 1]]))
 
 
 def _every_dtype():
@@ -44,15 +44,16 @@ def test_write_read_round_trip_every_dtype():
         hidden = [jnp.ones(3), jnp.array([7], jnp.int32)]
         p = _pools(hidden, leaves)
         pools = p.allocate()
-        assert [x.dtype for x in pools] == list(p.dtypes)  # typed: no words, no bitcasts
-        pools = p.write(pools, 0, hidden, "h")
-        pools = p.write(pools, 1, leaves, "i")  # above the hidden state
-        for a, b in zip(leaves, p.read(pools, 1, "i")):
+        # typed: no words, no bitcasts
+        assert [x.dtype for x in pools] == [g[0] for g in p.groups]
+        pools = p.write(pools, 0, 0, hidden, "h")
+        pools = p.write(pools, 1, 0, leaves, "i")  # above the hidden state
+        for a, b in zip(leaves, p.read(pools, 1, 0, "i")):
             _same(a, b)
-        for a, b in zip(hidden, p.read(pools, 0, "h")):
+        for a, b in zip(hidden, p.read(pools, 0, 0, "h")):
             _same(a, b)
         # a masked write changes nothing
-        same = p.write(pools, 1, [x * 0 for x in leaves[:1]], "i", when=False)
+        same = p.write(pools, 1, 0, [x * 0 for x in leaves[:1]], "i", when=False)
         for a, b in zip(same, pools):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -64,7 +65,7 @@ def test_tangents_flow_through_the_pools():
         p = _pools([jnp.ones(2)], leaves)
 
         def round_trip(leaves):
-            return p.read(p.write(p.allocate(), 1, leaves, "i"), 1, "i")
+            return p.read(p.write(p.allocate(), 1, 0, leaves, "i"), 1, 0, "i")
 
         tangents = [jnp.array([1.0, -2.0, 3.0]), jnp.array([2j])]
         _, out = jax.jvp(round_trip, (leaves,), (tangents,))
@@ -76,7 +77,6 @@ def test_tangents_flow_through_the_pools():
 @pytest.mark.parametrize("steps,memory", [(1, 8), (40, 8), (97, 24), (300, 60)])
 def test_pools_fit_the_budget(policy, alpha, steps, memory):
     from memento.loops import _scan
-    from memento.loops._interpreter import _stack_tops
 
     schedule = memento.plan(steps, memory, policy=policy, alpha=alpha)
     prog = _scan._compile(schedule)
@@ -84,7 +84,7 @@ def test_pools_fit_the_budget(policy, alpha, steps, memory):
     # a carry of 4 float32 numbers; an internal state of alpha carries, output included
     carry = [jax.ShapeDtypeStruct((4,), jnp.float32)]
     internal = [jax.ShapeDtypeStruct((4 * (alpha or 1),), jnp.float32)]
-    p = _pool.Pools.of(carry, internal, _stack_tops(prog), prog.internal_units)
+    p = _pool.Pools.of(carry, internal, prog.tops)
     # h_0 is the caller's input, not in the pool; HSM and MSM count it in the budget.
     assert p.sizes[0] <= 4 * (memory - int(schedule.counts_initial))
 
@@ -97,20 +97,17 @@ def test_out_of_stack_order_is_refused():
     ]  # fmt: skip
     schedule = memento.Schedule(3, 9, "x", 0, np.array(rows))
     with pytest.raises(ValueError, match="out of stack order"):
-        _pool.stack_offsets(schedule, 1)
+        _pool.stack_rows(schedule)
 
 
 @pytest.mark.parametrize("policy,memory", [("hsm", 3), ("ism", 30), ("msm", 6), ("msm", 11)])
-def test_shaped_layout_is_exact_and_fits_the_budget(monkeypatch, policy, memory):
-    # The layout of several devices (each leaf keeps its shape, and its sharding), forced
-    # on one: gradients equal lax.scan's, and the pools fit the budget (MSM re-plans).
+def test_layout_is_exact_and_fits_the_budget(monkeypatch, policy, memory):
+    # Each leaf keeps its shape (and its sharding): gradients equal lax.scan's, and the
+    # pools fit the budget (MSM re-plans when pools of several shapes peak apart).
     from jax import lax
 
     from memento.loops import _interpreter
 
-    monkeypatch.setattr(_pool, "keep_shapes", lambda: True)
-    # HSM as schedule rows in pools (the recursion's per-leaf stacks need no layout).
-    monkeypatch.setattr("memento.loops._scan.RECURSION_MIN_STEPS", 10**9)
     used = []
     real = _interpreter.pool_bytes
     monkeypatch.setattr(
@@ -130,7 +127,7 @@ def test_shaped_layout_is_exact_and_fits_the_budget(monkeypatch, policy, memory)
             (h, g), ys = scan(cell, (jnp.ones(4), jnp.ones(2)), xs)
             return ys.sum() + h.sum() + g.sum()
 
-        ours = lambda f, i, x: memento.scan(f, i, x, memory=memory, policy=policy)
+        ours = lambda f, i, x: memento.scan(f, i, x, memory=memory, policy=policy, executor="rows")
         got = jax.grad(loss)(w, ours)
         np.testing.assert_allclose(got, jax.grad(loss)(w, lax.scan), rtol=1e-10, atol=1e-12)
         hess = jax.hessian(loss)(w, ours)

@@ -17,11 +17,6 @@ from memento.loops import _recursion, _scan
 from memento.planning import Op
 
 
-@pytest.fixture
-def recursion(monkeypatch):
-    monkeypatch.setattr(_scan, "RECURSION_MIN_STEPS", 1)
-
-
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 30, 200])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 12])
 def test_first_pushes_are_the_schedules_first_sweep(t, m):
@@ -34,14 +29,14 @@ def test_first_pushes_are_the_schedules_first_sweep(t, m):
 
 
 @pytest.mark.parametrize("memory", [1, 2, 3, 5, 24, 100])
-def test_evaluations_equal_the_optimal_schedule(recursion, memory):
+def test_evaluations_equal_the_optimal_schedule(memory):
     t = 23
     w, h0, xs = rnn_params(t=t)
     counts = {"forward": 0, "backward": 0}
     cell = counting_cell(w, counts)
 
     def loss(h0, xs):
-        h, ys = memento.scan(cell, h0, xs, memory=memory, policy="hsm")
+        h, ys = memento.scan(cell, h0, xs, memory=memory, policy="hsm", executor="recursion")
         return h.sum() + ys.sum()
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -60,14 +55,16 @@ def test_evaluations_equal_the_optimal_schedule(recursion, memory):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_slots_follow_the_budget(recursion):
+def test_slots_follow_the_budget():
     def temp(memory):
         def loss(c):
             def f(c, x):
                 return jnp.tanh(c * 1.01 + x), None
 
             xs = jnp.zeros(5000, jnp.float32)
-            return memento.scan(f, c, xs, memory=memory, policy="hsm")[0].sum()
+            return memento.scan(f, c, xs, memory=memory, policy="hsm", executor="recursion")[
+                0
+            ].sum()
 
         compiled = jax.jit(jax.grad(loss)).lower(jnp.ones(256, jnp.float32)).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -94,7 +91,7 @@ def test_long_scans_trace_in_constant_size():
     assert len(large.splitlines()) == len(small.splitlines())
 
 
-def test_scan_schedule_of_the_recursion_is_hsm(recursion):
+def test_scan_schedule_of_the_recursion_is_hsm():
     # What memento.loops.scan_schedule reports for a scan run as the recursion: the HSM
     # schedule, whose evaluations the recursion makes (above).
     w, h0, xs = rnn_params(t=40)
@@ -102,6 +99,8 @@ def test_scan_schedule_of_the_recursion_is_hsm(recursion):
     def cell(h, x):
         return jnp.tanh(w @ h + x), None
 
-    schedule = memento.loops.scan_schedule(cell, h0, xs, memory=5, policy="hsm")
+    schedule = memento.loops.scan_schedule(
+        cell, h0, xs, memory=5, policy="hsm", executor="recursion"
+    )
     assert schedule.policy == "hsm"
     assert schedule.cost == memento.plan(40, 5, policy="hsm").cost

@@ -15,7 +15,6 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memento
-from memento.loops import _scan
 from memento.loops._hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
@@ -54,14 +53,9 @@ def budgeted(policy, memory):
     if policy != "hsm-rec":
         return lambda f, init, xs: memento.scan(f, init, xs, memory=memory, policy=policy)
 
-    def scan(f, init, xs):  # scan plans when its gradient is traced, inside this call
-        saved, _scan.RECURSION_MIN_STEPS = _scan.RECURSION_MIN_STEPS, 1
-        try:
-            return memento.scan(f, init, xs, memory=memory, policy="hsm")
-        finally:
-            _scan.RECURSION_MIN_STEPS = saved
-
-    return scan
+    return lambda f, init, xs: memento.scan(
+        f, init, xs, memory=memory, policy="hsm", executor="recursion"
+    )
 
 
 def mesh(types=AxisType.Auto, shape=(8,), names=("b",)):

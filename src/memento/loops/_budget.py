@@ -7,6 +7,8 @@ import functools
 import math
 import re
 
+import numpy as np
+
 from .. import planning
 from ..planning import Policy, Schedule, auto_policy
 
@@ -24,6 +26,26 @@ class Bytes:
     num_bytes: int
 
 
+def _as_int(value):
+    """``value`` as a Python int if it is an integer scalar (int, NumPy or JAX integer,
+    a 0-d integer array), else None; bools are not integers here."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    dtype = getattr(value, "dtype", None)
+    if (
+        dtype is not None
+        and getattr(value, "shape", None) == ()
+        and np.issubdtype(np.dtype(dtype), np.integer)
+    ):
+        try:
+            return int(value)  # a concrete JAX or NumPy 0-d array
+        except Exception:  # a tracer: not a static budget
+            return None
+    return None
+
+
 def bytes_budget(num_bytes: int) -> Bytes:
     """A byte budget for ``memory=``, from an integer number of bytes.
 
@@ -33,10 +55,12 @@ def bytes_budget(num_bytes: int) -> Bytes:
     Example:
         >>> memento.scan(f, init, xs, memory=memento.bytes_budget(2**28))  # doctest: +SKIP
     """
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+    n = _as_int(num_bytes)
+    if n is None:
         raise TypeError(
             f"memento.bytes_budget: expected an int number of bytes, got {num_bytes!r}."
         )
+    num_bytes = n
     if num_bytes < 1:
         raise ValueError(
             f"memento.bytes_budget: expected a positive number of bytes, got {num_bytes}."
@@ -56,12 +80,21 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
                 f"{name}: cannot read memory={memory!r}; pass a size such as '256MiB', "
                 "'1.5GB' or '4096B', an int number of slots, or memento.bytes_budget(n)."
             )
-        return bytes_budget(max(1, int(float(m.group(1)) * _UNITS[unit])))
-    if isinstance(memory, bool) or not isinstance(memory, int):
+        num_bytes = int(float(m.group(1)) * _UNITS[unit])
+        if num_bytes < 1:
+            raise ValueError(
+                f"{name}: memory={memory!r} is {num_bytes} bytes, which holds nothing; "
+                "the smallest budget is one carry (memory=1 slot)."
+            )
+        return bytes_budget(num_bytes)
+    n = _as_int(memory)
+    if n is None:
         raise TypeError(
-            f"{name}: memory must be None, an int number of carry-sized slots, a size string "
-            f"such as '256MiB', or memento.bytes_budget(n); got {memory!r}."
+            f"{name}: memory must be None, an int number of carry-sized slots (Python, "
+            f"NumPy or a concrete JAX integer), a size string such as '256MiB', or "
+            f"memento.bytes_budget(n); got {memory!r}."
         )
+    memory = n
     if memory < 1:
         raise ValueError(
             f"{name}: memory={memory} slots is too small; the smallest budget is 1 slot "

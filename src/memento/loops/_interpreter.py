@@ -45,19 +45,25 @@ for _i, _op in enumerate(_PRIMAL_OPS):
 class Program:
     """A schedule compiled to arrays (all NumPy; turned into constants when traced).
 
+    A stored state is placed by ``(nh, ni)``, the hidden and internal states below it on
+    the schedule's stack (`_pool`); the two counts have a column each.
+
     Attributes:
         num_steps: t.
-        save_hidden: ``(t,)``: hidden slot that stores ``h_p`` during the first sweep, or -1.
-        save_internal: ``(t,)``: internal slot that stores step ``p`` in the sweep, or -1.
+        save_hidden: ``(t, 2)``: ``(nh, ni)`` of the hidden state ``h_p`` saved during the
+            first sweep, or ``(-1, -1)``.
+        save_internal: ``(t, 2)``: ``(nh, ni)`` of step ``p``'s internal state saved in the
+            sweep, or ``(-1, -1)``.
         fused_last: whether step t-1 is back-propagated fused (its residuals then go from
             the forward pass to the backward pass as the working state).
-        primal_rows: ``(n, 3)`` rows (branch, arg, pos) run in the backward pass.
+        primal_rows: ``(n, 4)`` rows ``(branch, a, b, pos)`` run in the backward pass:
+            ``(a, b) = (nh, ni)`` for saves and loads (``(-1, 0)``: ``h_0``), ``a`` the
+            count of an advance.
         segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
             ``[segment_end[k-1], segment_end[k])`` run before it.
-        backward_rows: ``(t, 2)``: (fused?, internal slot) of the k-th backward.
-        pool_units: size of the slot pool, in carry-sized units (see `_pool`); slot
-            arguments of all rows are unit offsets into it.
-        internal_units: units an internal state takes (the paper's alpha).
+        backward_rows: ``(t, 3)``: ``(fused?, nh, ni)`` of the k-th backward.
+        tops: ``(k, 2)`` distinct ``(nh, ni)`` on the stack after a save; they size the
+            pools.
         loads_internal: whether the internal slots must also hold the output carry.
     """
 
@@ -68,8 +74,7 @@ class Program:
     primal_rows: np.ndarray
     segment_end: np.ndarray
     backward_rows: np.ndarray
-    pool_units: int
-    internal_units: int
+    tops: np.ndarray
     loads_internal: bool
 
     @property
@@ -84,14 +89,14 @@ class Program:
 
     @property
     def sweep_saves_internal(self) -> bool:
-        return bool((self.save_internal >= 0).any())
+        return bool((self.save_internal[:, 0] >= 0).any())
 
     @property
     def sweep_saves_hidden(self) -> bool:
-        return bool((self.save_hidden >= 0).any())
+        return bool((self.save_hidden[:, 0] >= 0).any())
 
 
-def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
+def compile_schedule(schedule: Schedule) -> Program:
     """Turns a schedule into a `Program`, in vectorised NumPy (O(rows), no Python loop).
 
     The schedule is not replayed here (a replay is a Python loop over millions of rows at
@@ -100,22 +105,22 @@ def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
 
     Args:
         schedule: a schedule whose slots are used as a stack (the planner's are).
-        internal_units: carry-sized units an internal state takes in the pool.
     """
     t = schedule.num_steps
-    rows, pool_units = _pool.stack_offsets(schedule, internal_units)
+    rows, tops = _pool.stack_rows(schedule)
     # One contiguous copy of each column: at 10^7 steps (5 * 10^7 rows) every pass over a
     # strided column costs a tenth of a second.
-    op, arg, pos = (np.ascontiguousarray(rows[:, k]) for k in range(3))
+    op, a, b, pos = (np.ascontiguousarray(rows[:, k]) for k in range(4))
     is_bw = (op == Op.BACKWARD_FUSED) | (op == Op.BACKWARD_INTERNAL)
     first_bw = int(np.argmax(is_bw))
 
-    save_hidden = np.full(t, -1, np.int32)
-    save_internal = np.full(t, -1, np.int32)
+    save_hidden = np.full((t, 2), -1, np.int32)
+    save_internal = np.full((t, 2), -1, np.int32)
     sweep_op = op[:first_bw]
     for code, out in ((Op.SAVE_HIDDEN, save_hidden), (Op.SAVE_INTERNAL, save_internal)):
         saves = np.flatnonzero(sweep_op == code)
-        out[pos[saves]] = arg[saves]
+        out[pos[saves], 0] = a[saves]
+        out[pos[saves], 1] = b[saves]
 
     bw_mask = is_bw[first_bw:]
     bw = np.flatnonzero(bw_mask) + first_bw
@@ -123,13 +128,15 @@ def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
     # Number of primal rows before each backward row (after the first): its index in the
     # rest of the rows less the backward rows before it.
     segment_end = (bw - first_bw - np.arange(len(bw))).astype(np.int32)
-    primal_rows = np.empty((len(prim), 3), np.int32)
+    primal_rows = np.empty((len(prim), 4), np.int32)
     primal_rows[:, 0] = _BRANCH[op[prim]]
-    primal_rows[:, 1] = arg[prim]
-    primal_rows[:, 2] = pos[prim]
-    backward_rows = np.empty((len(bw), 2), np.int32)
+    primal_rows[:, 1] = a[prim]
+    primal_rows[:, 2] = b[prim]
+    primal_rows[:, 3] = pos[prim]
+    backward_rows = np.empty((len(bw), 3), np.int32)
     backward_rows[:, 0] = op[bw] == Op.BACKWARD_FUSED
-    backward_rows[:, 1] = arg[bw]
+    backward_rows[:, 1] = a[bw]
+    backward_rows[:, 2] = b[bw]
     return Program(
         num_steps=t,
         save_hidden=save_hidden,
@@ -138,8 +145,7 @@ def compile_schedule(schedule: Schedule, internal_units: int = 1) -> Program:
         primal_rows=primal_rows,
         segment_end=segment_end,
         backward_rows=backward_rows,
-        pool_units=pool_units,
-        internal_units=internal_units,
+        tops=tops,
         loads_internal=bool((op == Op.LOAD_INTERNAL).any()),
     )
 
@@ -162,9 +168,9 @@ jax.tree_util.register_dataclass(Slots, data_fields=["pools"], meta_fields=[])
 class _Layout:
     """How one body's states are laid out in the pools for one program.
 
-    Programs are compiled with ``internal_units = base`` (`_scan`): a row's ``arg`` then
-    encodes how many hidden and internal states lie below the state on the stack, which
-    fixes its offset in every typed pool (`_pool.Pools`).
+    A place ``at`` is ``(nh, ni)``: the hidden and internal states below the state on the
+    schedule's stack, which fixes its entry in every pool (`_pool.Pools`); ``nh = -1``
+    on a hidden load is the caller's ``h_0``.
     """
 
     pools: _pool.Pools
@@ -174,58 +180,36 @@ class _Layout:
     def of(prog: Program, body: Body, spec: ResidualSpec) -> _Layout:
         extra = tuple(body.carry_avals) if prog.loads_internal else ()
         internal = tuple(spec.stored) + extra
-        tops = _stack_tops(prog)
-        pools = _pool.Pools.of(body.carry_avals, internal, tops, prog.internal_units)
-        return _Layout(pools, bool((tops[:, 0] > 0).any()))
+        pools = _pool.Pools.of(body.carry_avals, internal, prog.tops)
+        return _Layout(pools, bool((prog.tops[:, 0] > 0).any()))
 
     def allocate(self) -> Slots:
         return Slots(self.pools.allocate())
 
-    def save_hidden(self, slots: Slots, arg, c, when=None) -> Slots:
-        return Slots(self.pools.write(slots.pools, arg, c, "h", when))
+    def save_hidden(self, slots: Slots, at, c, when=None) -> Slots:
+        return Slots(self.pools.write(slots.pools, *at, c, "h", when))
 
-    def load_hidden(self, slots: Slots, init, arg):
-        """``h`` stored at ``arg``, or ``init`` for ``arg = -1`` (the caller's ``h_0``)."""
+    def load_hidden(self, slots: Slots, init, at):
+        """``h`` stored at ``at``, or ``init`` for ``nh = -1`` (the caller's ``h_0``)."""
         if not self.has_hidden:
             return list(init)
         avals = self.pools.hidden_avals
-        stored = self.pools.read(slots.pools, arg, "h", stored=True)
+        stored = self.pools.read(slots.pools, *at, "h", stored=True)
         return [
-            _pool.from_storage(jnp.where(arg < 0, _pool.to_storage(a, v), b), v)
+            _pool.from_storage(_pool.pick(at[0] < 0, _pool.to_storage(a, v), b), v)
             for a, b, v in zip(init, stored, avals)
         ]
 
-    def save_internal(self, slots: Slots, arg, leaves, when=None) -> Slots:
-        return Slots(self.pools.write(slots.pools, arg, leaves, "i", when))
+    def save_internal(self, slots: Slots, at, leaves, when=None) -> Slots:
+        return Slots(self.pools.write(slots.pools, *at, leaves, "i", when))
 
-    def load_internal(self, slots: Slots, arg):
-        return self.pools.read(slots.pools, arg, "i")
+    def load_internal(self, slots: Slots, at):
+        return self.pools.read(slots.pools, *at, "i")
 
 
 def pool_bytes(prog: Program, body: Body, spec: ResidualSpec) -> int:
     """Bytes of the slot pools that running ``prog`` on ``body`` allocates."""
     return _Layout.of(prog, body, spec).pools.nbytes
-
-
-def _stack_tops(prog: Program) -> np.ndarray:
-    """``(nh, ni)`` on the stack after each save of the program (see `_Layout`)."""
-    base = prog.internal_units
-    rows = prog.primal_rows
-    hidden = np.concatenate(
-        [prog.save_hidden[prog.save_hidden >= 0], rows[rows[:, 0] == _BRANCH[Op.SAVE_HIDDEN], 1]]
-    )
-    internal = np.concatenate(
-        [
-            prog.save_internal[prog.save_internal >= 0],
-            rows[rows[:, 0] == _BRANCH[Op.SAVE_INTERNAL], 1],
-        ]
-    )
-    return np.concatenate(
-        [
-            np.stack([hidden % base + 1, hidden // base], axis=1),
-            np.stack([internal % base, internal // base + 1], axis=1),
-        ]
-    )
 
 
 def x_at(xs, p):
@@ -283,23 +267,28 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
 
     def step(state, inp):
         c, slots = state
-        p, sh, si = inp
+        p, sh_h, sh_i, si_h, si_i = inp
         x = x_at(xs, p)
         if prog.sweep_saves_hidden:
-            slots = layout.save_hidden(slots, sh, c, sh >= 0)
+            slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0)
         if has_internal:
             # Write-or-identity: the pool stays in place, and steps that store nothing
             # run the primal only.
-            c_new, y, slots = lax.cond(si >= 0, save_step, primal_step, c, slots, x, si)
+            c_new, y, slots = lax.cond(si_h >= 0, save_step, primal_step, c, slots, x, (si_h, si_i))
         else:
-            c_new, y, slots = primal_step(c, slots, x, si)
+            c_new, y, slots = primal_step(c, slots, x, None)
         return (c_new, slots), y
 
     # Steps are indexed, not sliced: ``xs[:t-1]`` would be a copy of xs in temp memory.
+    # Columns are scanned one by one (a scanned (n, 2) row, then indexed, trips XLA:CPU's
+    # fusion emitter under jvp).
     inputs = (
         jnp.arange(n_sweep, dtype=jnp.int32),
-        jnp.asarray(prog.save_hidden[:n_sweep]),
-        jnp.asarray(prog.save_internal[:n_sweep]),
+        *(
+            jnp.asarray(a[:n_sweep, k])
+            for a in (prog.save_hidden, prog.save_internal)
+            for k in (0, 1)
+        ),
     )
     if n_sweep > 0:
         (c, slots), ys = lax.scan(step, (list(init), slots), inputs, unroll=unroll)
@@ -308,8 +297,8 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     working = None
     if prog.fused_last:
         x_last = [x[t - 1] for x in xs]
-        if prog.save_hidden[t - 1] >= 0:
-            slots = layout.save_hidden(slots, int(prog.save_hidden[t - 1]), c)
+        if prog.save_hidden[t - 1, 0] >= 0:
+            slots = layout.save_hidden(slots, tuple(int(v) for v in prog.save_hidden[t - 1]), c)
         c, y_last, working = body.save(spec, consts, c, x_last)
         ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, slots, working
@@ -382,10 +371,10 @@ def run_backward(
     switch_of = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)
     switch_branches = (advance, keep, take_hidden, take_internal)
 
-    def save_internal(c, slots, arg, pos):
+    def save_internal(c, slots, at, pos):
         c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
         extra = c_new if prog.loads_internal else []
-        return c_new, layout.save_internal(slots, arg, res + extra)
+        return c_new, layout.save_internal(slots, at, res + extra)
 
     def run_primal(c, slots, lo, hi):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
@@ -396,18 +385,20 @@ def run_backward(
 
         def body_fn(state):
             pc, c, slots = state
-            branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 2]
+            # Each entry read on its own, as the sweep scans its columns one by one.
+            branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 3]
+            at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
             if SAVE_I in rows_ops:
                 c, slots = lax.cond(
-                    branch == SAVE_I, save_internal, lambda c, s, *_: (c, s), c, slots, arg, pos
+                    branch == SAVE_I, save_internal, lambda c, s, *_: (c, s), c, slots, at, pos
                 )
             if SAVE_H in rows_ops:
-                slots = layout.save_hidden(slots, arg, c, branch == SAVE_H)
+                slots = layout.save_hidden(slots, at, c, branch == SAVE_H)
             loaded_h = loaded_i = c
             if LOAD_H in rows_ops:
-                loaded_h = layout.load_hidden(slots, init, arg)
+                loaded_h = layout.load_hidden(slots, init, at)
             if LOAD_I in rows_ops:
-                loaded_i = layout.load_internal(slots, arg)[n_stored:]
+                loaded_i = layout.load_internal(slots, at)[n_stored:]
             c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
             return pc + 1, c, slots
 
@@ -421,7 +412,7 @@ def run_backward(
         return apply_pullback(body.linearize(consts, c, x_at(xs, p))[2], ct_c, ct_y)
 
     def stored_bw(c, slots, slot, p, ct_c, ct_y):
-        stored = layout.load_internal(slots, slot)[:n_stored]
+        stored = layout.load_internal(slots, slot)[:n_stored]  # slot: (nh, ni)
         return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
 
     def either_bw(fused):
@@ -455,7 +446,7 @@ def run_backward(
             return apply_pullback(body.restore(spec, working, consts, x_at(xs, p)), ct_c, ct_y)
     else:
         first_bw = stored_bw
-    first_slot = int(prog.backward_rows[0, 1])
+    first_slot = (int(prog.backward_rows[0, 1]), int(prog.backward_rows[0, 2]))
     ct_c, ct_k, ct_xs = backward_step(
         first_bw, init, slots, first_slot, t - 1, list(ct_carry), ct_k0, ct_xs0
     )
@@ -468,7 +459,7 @@ def run_backward(
     def outer_body(state):
         k, c, slots, ct_c, ct_k, ct_xs = state
         c, slots = run_primal(c, slots, segment_end[k - 1], segment_end[k])
-        fused, slot = backward_rows[k, 0], backward_rows[k, 1]
+        fused, slot = backward_rows[k, 0], (backward_rows[k, 1], backward_rows[k, 2])
         p = t - 1 - k
         if prog.any_fused and prog.any_internal:
             bw = either_bw(fused)

@@ -1,35 +1,38 @@
-"""Typed slot pools, allocated as a stack.
+"""Slot storage: typed stacks, one per dtype and shape, allocated as a stack.
 
 The paper's memory model has one budget of m slots shared by hidden states (1 slot each)
 and internal states (alpha slots each). Typed buffers, one for hidden states and one for
 internal states, would need room for the peak of each kind: up to twice the budget for
 MSM schedules, whose peaks of the two kinds fall at different times. So every stored leaf
-of a given dtype goes into one flat pool of that dtype, and hidden and internal states
-share it.
+goes into a pool shared by hidden and internal states: one pool per ``(dtype, shape)``,
+of shape ``(entries, *shape)``, each stored leaf one entry.
 
-Why typed pools, not one pool of words. The first executor bitcast every state to
-``uint32`` words. A bitcast carries no tangent, so an outer ``jvp`` of the backward pass
-(``jax.hessian``, ``jvp(grad)``) silently lost every stored state's tangent, and it
-refuses complex numbers and keys. A typed pool is written with ``dynamic_update_slice``
-and read with ``dynamic_slice``, both linear in the stored values: tangents flow through
+Why typed pools. The first executor bitcast every state to ``uint32`` words. A bitcast
+carries no tangent, so an outer ``jvp`` of the backward pass (``jax.hessian``,
+``jvp(grad)``) silently lost every stored state's tangent, and it refuses complex
+numbers and keys. A typed pool is written with ``dynamic_update_index_in_dim`` and read
+with ``dynamic_index_in_dim``, both linear in the stored values: tangents flow through
 the pool exactly, and every dtype is stored as itself (keys as their key data, with the
 key type restored on read, weak types restored too).
 
+Why one entry per leaf, not a flat pool of elements. A leaf keeps its shape, and so its
+sharding: a batch-sharded leaf is stored where its rows live, with no collective. An
+index counts entries (states times leaves), not elements, so it stays far inside int32
+at any pool size: a flat pool's element offsets wrapped past 2^31 elements (a 2 MiB
+leaf over 1,300 slots), and the layout must not change with the number of devices. The
+recursion (`_recursion`) keeps its slots in the same pools.
+
 Offsets. The planner's schedules use slots as a stack (Algorithm 2 of Gruslys et al.: a
 state is released before any state stored before it), so the place of a stored state is
-fixed by how many hidden and internal states lie below it, ``(nh, ni)``. Executable rows
-encode that pair in their ``arg`` as ``nh + base * ni`` (`stack_offsets` with
-``internal_units = base``), and a state's offset in the pool of dtype d is
-``nh * h_d + ni * i_d``, where ``h_d`` and ``i_d`` are the elements of dtype d in one
-hidden and one internal state. Each pool holds exactly the peak of that sum over the
-schedule. When every stored leaf has one dtype (the common case) the pool is the
-schedule's peak memory, the paper's m; with several dtypes each pool takes its own peak,
-which is more only when the dtype mix of hidden and internal states differs.
-
-On one device the pools are flat (1-D), which is what lets states of different shapes
-share them. On several devices they keep each leaf's shape, and so its sharding (see
-`Pools`): a flat pool cannot be sharded the way a batch-sharded leaf is, and writing
-into it would gather the leaf on every device.
+fixed by how many hidden and internal states lie below it, ``(nh, ni)``
+(`memento.planning.stack_depths`). Executable rows keep the two counts in two columns
+(`stack_rows`; packing them into one int32 wrapped at large budgets), and a state's
+first entry in pool g is ``nh * h_g + ni * i_g``, where ``h_g`` and ``i_g`` are the
+entries of pool g in one hidden and one internal state. Each pool holds exactly the
+peak of that sum over the schedule. Leaves of the same dtype and shape in hidden and
+internal states share a pool; peaks of different pools may fall at different times, so
+the total can exceed the schedule's peak, and `memento.scan` then plans for fewer slots
+until it fits (rarely needed: alpha is rounded up to whole slots).
 """
 
 from __future__ import annotations
@@ -43,75 +46,71 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..planning import Op, Schedule
-from ..planning._schedule import _IS_SAVE, _depths, _lut
+from ..planning import Op, Schedule, stack_depths
 
 try:  # restores a weak type on read; no public equivalent
     from jax._src.lax.lax import _convert_element_type
 except ImportError:  # pragma: no cover - older or newer JAX
     _convert_element_type = None
 
-_SLOTTED = _lut(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL)
+_SLOTTED = np.zeros(max(Op) + 1, bool)  # ops whose arg names a slot
+_SLOTTED[[Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL]] = True
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def stack_offsets(schedule: Schedule, internal_units: int) -> tuple[np.ndarray, int]:
-    """Rewrites a schedule's slot numbers as offsets into one stack-allocated pool.
+def checked_int32(values, what: str, *, name: str = "memento") -> np.ndarray:
+    """``values`` as int32, or a clear error if any would not fit (instead of wrapping)."""
+    values = np.asarray(values)
+    if values.size and (values.max() > INT32_MAX or values.min() < -INT32_MAX):
+        raise ValueError(
+            f"{name}: {what} reaches {int(np.abs(values).max())}, past the int32 range the "
+            "compiled loop indexes with; use fewer steps or a smaller budget."
+        )
+    return values.astype(np.int32)
 
-    Vectorised (`memento.planning.stack_depths`): a state's offset is the units of the
-    states below it in the stack, ``n_hidden_below + internal_units * n_internal_below``.
-    A hidden state takes 1 unit and an internal state ``internal_units``; with
-    ``internal_units = base > memory`` an offset encodes ``(nh, ni)`` as ``nh + base * ni``.
+
+def stack_rows(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """A schedule's executable rows with each state's place on the stack, for the pools.
 
     Args:
         schedule: a schedule whose slots are released in the reverse order of their saves.
-        internal_units: units an internal state takes (a hidden state takes 1).
 
     Returns:
-        ``(rows, units)``: the executable rows (no FREE rows) with the ``arg`` of every
-        save, load and backward-from-slot row replaced by the unit offset of its state
-        (``-1``, the initial state, stays), and the pool size in units.
+        ``(rows, tops)``. ``rows``: int32 ``(n, 4)`` rows ``(op, a, b, pos)`` without the
+        FREE rows. For a row that saves, loads or back-propagates from a slot, ``(a, b)``
+        is ``(nh, ni)``, the hidden and internal states below its state; for a load of
+        ``h_0``, ``(-1, 0)``; otherwise ``(arg, 0)`` (an ADVANCE's count). ``tops``: the
+        distinct ``(nh, ni)`` on the stack after each save (int64), whose maximum per pool
+        sizes it.
 
     Raises:
-        ValueError: if the schedule does not release its slots in stack order.
+        ValueError: if the schedule does not release its slots in stack order, or a
+            count does not fit int32.
     """
     actions = schedule.actions
-    if schedule.planned_peak is not None and schedule.policy in ("hsm", "ism"):
-        # The planner's HSM and ISM schedules hold one kind of state and number each slot
-        # by its depth in the stack (`memento.planning._dp._emit`; the planner's tests
-        # replay them and tests/loops/test_pool.py checks this shortcut against the
-        # general count): the offset is the slot number times the state's size.
-        op = np.ascontiguousarray(actions[:, 0])
-        keep = (op != Op.FREE_HIDDEN) & (op != Op.FREE_INTERNAL)
-        rows, op = actions[keep], op[keep]
-        size = 1 if schedule.policy == "hsm" else internal_units
-        if size != 1:
-            slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
-            rows[:, 1] = np.where(slotted, rows[:, 1] * size, rows[:, 1])
-        saves = rows[_IS_SAVE[op], 1]
-        return rows, int(saves.max(initial=-size)) + size
-    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
-    nh, ni, bad = _depths(actions)
-    if bad >= 0:
-        op, arg, _ = (int(v) for v in actions[bad])
-        kind = "h" if op in (Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.FREE_HIDDEN) else "i"
+    try:
+        nh, ni = stack_depths(actions)
+    except ValueError as e:
         raise ValueError(
-            f"memento: row {bad} releases {kind}-slot {arg} out of stack order; a "
-            "single pool needs stack-ordered slots (the planner's schedules are)."
-        )
-    rows = actions[keep]
-    offset = nh[keep] + internal_units * ni[keep]
-    op = rows[:, 0]
-    slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (rows[:, 1] >= 0))
-    rows[slotted, 1] = offset[slotted]
-    # The pool's size: the highest unit any stored state reaches.
-    top = np.concatenate(
+            f"memento: {e}; a pool needs stack-ordered slots (the planner's are)."
+        ) from None
+    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
+    op, arg, pos = (np.ascontiguousarray(actions[keep, k]) for k in range(3))
+    slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (arg >= 0))
+    rows = np.empty((len(op), 4), np.int64)
+    rows[:, 0] = op
+    rows[:, 1] = np.where(slotted, nh, arg)
+    rows[:, 2] = np.where(slotted, ni, 0)
+    rows[:, 3] = pos
+    is_h, is_i = op == Op.SAVE_HIDDEN, op == Op.SAVE_INTERNAL
+    tops = np.concatenate(
         [
-            offset[op == Op.SAVE_HIDDEN] + 1,
-            offset[op == Op.SAVE_INTERNAL] + internal_units,
-            [0],
+            np.stack([nh[is_h] + 1, ni[is_h]], axis=1),
+            np.stack([nh[is_i], ni[is_i] + 1], axis=1),
         ]
     )
-    return rows, int(top.max())
+    tops = np.unique(tops, axis=0) if len(tops) else np.zeros((0, 2), np.int64)
+    return checked_int32(rows, "a schedule row"), tops
 
 
 # ----------------------------------------------------------------------------------------
@@ -193,35 +192,35 @@ def from_storage(x, aval):
 # The pools
 
 
-def keep_shapes() -> bool:
-    """Whether pools keep each leaf's shape (see `Pools`): when the program may be
-    partitioned over several devices, so that a stored leaf keeps its sharding."""
-    return jax.device_count() > 1
+def pick(when, yes, no):
+    """``yes`` where the scalar ``when`` holds, else ``no``. A scalar predicate is valid
+    under explicit mesh axes, where a broadcast one would need ``no``'s sharding."""
+    return lax.select_n(when, no, yes)
+
+
+def put(pool, index, value):
+    """``pool[index] = value`` (one entry, in place)."""
+    return lax.dynamic_update_index_in_dim(pool, value.astype(pool.dtype), index, 0)
+
+
+def get(pool, index):
+    """``pool[index]`` (one entry; ``index`` is in bounds by construction)."""
+    return lax.dynamic_index_in_dim(pool, index, 0, keepdims=False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pools:
     """Where hidden and internal states live; see the module docstring.
 
-    Two layouts, both stacks along axis 0 of each pool:
-
-    - flat (one device): one pool per dtype, of elements; a leaf is stored raveled. A
-      hidden and an internal state share any pool of their common dtype, so the pools
-      hold exactly the schedule's peak when every stored leaf has one dtype.
-    - shaped (``keep_shapes``, several devices): one pool per dtype and shape, of shape
-      ``(n, *shape)``; a leaf is stored as one entry, keeping its shape and therefore
-      its sharding (a batch-sharded leaf is stored where its rows live: no collective).
-      Hidden and internal leaves of the same dtype and shape still share a pool, but
-      peaks of different pools may fall at different times, so the total can exceed
-      the schedule's peak: `memento.scan` then plans for fewer slots until it fits.
+    One pool per ``(dtype, shape, explicit sharding)`` of the stored leaves, of shape
+    ``(entries, *shape)``; a stored leaf takes one entry. Zero-size leaves take none (they
+    are rebuilt on read).
 
     Attributes:
         hidden_avals, internal_avals: the leaves of one hidden / internal state.
-        groups: ``(dtype, entry shape, explicit sharding or None)`` of each pool (shape
-            ``()`` in the flat layout).
+        groups: ``(dtype, shape, explicit sharding or None)`` of each pool.
         hidden_size, internal_size: entries of each pool that one state takes.
         sizes: entries of each pool (its peak over the schedule).
-        base: a row's ``arg`` is ``nh + base * ni`` (``-1``: the caller's ``h_0``).
     """
 
     hidden_avals: tuple
@@ -230,22 +229,20 @@ class Pools:
     hidden_size: tuple[int, ...]
     internal_size: tuple[int, ...]
     sizes: tuple[int, ...]
-    base: int
 
     @staticmethod
-    def of(hidden_avals, internal_avals, tops: np.ndarray, base: int, shaped=None) -> Pools:
+    def of(hidden_avals, internal_avals, tops: np.ndarray, *, name: str = "memento") -> Pools:
         """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
-        states on the stack after each save (the peak is among them). ``shaped``: the
-        layout (default: `keep_shapes`)."""
-        shaped = keep_shapes() if shaped is None else shaped
-        group = _shaped_group if shaped else _flat_group
-        groups = tuple(dict.fromkeys(group(a)[0] for a in (*hidden_avals, *internal_avals)))
+        states on the stack after each save (the peak is among them)."""
+        stored = [a for a in (*hidden_avals, *internal_avals) if _group(a) is not None]
+        groups = tuple(dict.fromkeys(_group(a) for a in stored))
 
         def size(avals):
             out = [0] * len(groups)
             for a in avals:
-                g, n = group(a)
-                out[groups.index(g)] += n
+                g = _group(a)
+                if g is not None:
+                    out[groups.index(g)] += 1
             return tuple(out)
 
         hs, is_ = size(hidden_avals), size(internal_avals)
@@ -254,21 +251,13 @@ class Pools:
             int((tops[:, 0] * h + tops[:, 1] * i).max()) if len(tops) else 0
             for h, i in zip(hs, is_)
         )
-        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, base)
-
-    @property
-    def dtypes(self) -> tuple:
-        return tuple(g[0] for g in self.groups)
+        checked_int32(sizes, "a slot pool's number of entries", name=name)
+        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all pools."""
         return sum(n * math.prod(e) * d.itemsize for (d, e, _), n in zip(self.groups, self.sizes))
-
-    def _group_of(self, aval) -> tuple[int, int, tuple]:
-        shaped = bool(self.groups) and self.groups[0][1] != ()
-        g, n = (_shaped_group if shaped else _flat_group)(aval)
-        return self.groups.index(g), n, g[1]
 
     def allocate(self) -> list:
         axes = frozenset().union(*(varying(a) for a in (*self.hidden_avals, *self.internal_avals)))
@@ -277,52 +266,53 @@ class Pools:
             for (d, e, sharding), n in zip(self.groups, self.sizes)
         ]
 
-    def _starts(self, arg) -> list:
-        arg = jnp.maximum(arg, 0)
-        nh, ni = arg % self.base, arg // self.base
+    def _starts(self, nh, ni) -> list:
+        # Offsets are at most the pool's size, checked to fit int32 in `of`; a masked
+        # write of a row that stores nothing may carry -1, read as 0.
+        nh, ni = jnp.maximum(nh, 0), jnp.maximum(ni, 0)
         return [nh * h + ni * i for h, i in zip(self.hidden_size, self.internal_size)]
 
     def _avals(self, kind: str):
         return self.hidden_avals if kind == "h" else self.internal_avals
 
-    def write(self, pools: Sequence, arg, leaves: Sequence, kind: str, when=None) -> list:
-        """Stores one state's ``leaves`` at ``arg`` (only where ``when``, a scalar, holds).
-
-        Each leaf is written in place at its own offset: no concatenation, so the pools
-        cost the same memory traffic as one typed buffer per leaf.
-        """
-        pools, starts = list(pools), self._starts(arg)
+    def write(self, pools: Sequence, nh, ni, leaves: Sequence, kind: str, when=None) -> list:
+        """Stores one state's ``leaves`` below which lie ``nh`` hidden and ``ni`` internal
+        states (only where ``when``, a scalar, holds). Each leaf is written in place."""
+        pools, starts = list(pools), self._starts(nh, ni)
         for leaf, aval in zip(leaves, self._avals(kind)):
-            j, n, e = self._group_of(aval)
-            if n == 0 or math.prod(e) == 0:
+            g = _group(aval)
+            if g is None:
                 continue
-            w = jnp.reshape(to_storage(leaf, aval), (n, *e))
+            j = self.groups.index(g)
+            w = to_storage(leaf, aval).astype(g[0])
             if when is not None:
-                w = jnp.where(when, w, lax.dynamic_slice_in_dim(pools[j], starts[j], n))
-            pools[j] = lax.dynamic_update_slice_in_dim(pools[j], w, starts[j], 0)
-            starts[j] = starts[j] + n
+                w = pick(when, w, get(pools[j], starts[j]))
+            pools[j] = put(pools[j], starts[j], w)
+            starts[j] = starts[j] + 1
         return pools
 
-    def read(self, pools: Sequence, arg, kind: str, *, stored: bool = False) -> list:
-        """The leaves of the state stored at ``arg`` by `write` (``stored=True``: in their
-        storage form, e.g. key data, to be mixed with others before `from_storage`)."""
-        out, starts = [], self._starts(arg)
+    def read(self, pools: Sequence, nh, ni, kind: str, *, stored: bool = False) -> list:
+        """The leaves of the state stored by `write` at ``(nh, ni)`` (``stored=True``: in
+        their storage form, e.g. key data, to be mixed with others before
+        `from_storage`)."""
+        out, starts = [], self._starts(nh, ni)
         for aval in self._avals(kind):
-            j, n, _ = self._group_of(aval)
-            s = storage_aval(aval)
-            x = lax.dynamic_slice_in_dim(pools[j], starts[j], n).reshape(s.shape)
-            starts[j] = starts[j] + n
+            g = _group(aval)
+            if g is None:  # zero-size: nothing stored
+                s = storage_aval(aval)
+                x = zeros(s.shape, s.dtype, varying(aval), explicit_sharding(aval))
+            else:
+                j = self.groups.index(g)
+                x = get(pools[j], starts[j])
+                starts[j] = starts[j] + 1
             out.append(x if stored else from_storage(x, aval))
         return out
 
 
-def _flat_group(aval) -> tuple[tuple, int]:
-    """``((dtype, (), None), entries)`` of a leaf in the flat layout."""
+def _group(aval) -> tuple | None:
+    """``(dtype, shape, explicit sharding)`` of the pool that stores ``aval``; None for a
+    zero-size leaf, which needs no storage."""
     s = storage_aval(aval)
-    return (np.dtype(s.dtype), (), None), math.prod(s.shape)
-
-
-def _shaped_group(aval) -> tuple[tuple, int]:
-    """``((dtype, shape, explicit sharding), 1)`` of a leaf in the shaped layout."""
-    s = storage_aval(aval)
-    return (np.dtype(s.dtype), tuple(s.shape), explicit_sharding(aval)), 1
+    if math.prod(s.shape) == 0:
+        return None
+    return np.dtype(s.dtype), tuple(s.shape), explicit_sharding(aval)

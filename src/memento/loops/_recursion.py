@@ -1,7 +1,7 @@
 """The binomial (HSM) recursion run on the device, shared by `scan` and `while_loop`.
 
-Carries are kept in per-leaf stacks of slots (a leading slot axis; each leaf keeps its
-shape, dtype and sharding). The kept carries, in position order, form a stack with
+Carries are kept in `memento.loops._pool`'s pools, the slot layout `scan`'s rows use too
+(a leading entry axis; each leaf keeps its shape, dtype and sharding). The kept carries, in position order, form a stack with
 ``h_0`` (the caller's) at the bottom.
 To back-propagate step e, look at the top of the stack, ``h_b`` with ``m = slots -
 depth`` slots for itself and what is above; while ``t = e - b + 1 >= 3`` and ``m >= 2``,
@@ -146,35 +146,34 @@ def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
 # Slots: one stack per carry leaf, with a leading slot axis
 
 
+def _hidden_pools(avals, num_slots: int) -> _pool.Pools:
+    """The pools of ``num_slots`` carries: `memento.loops._pool`'s one slot layout, with
+    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``)."""
+    return _pool.Pools.of(tuple(avals), (), np.array([[num_slots, 0]]))
+
+
 def allocate(avals, num_slots: int) -> list:
-    """Zeroed slot stacks, ``(num_slots, *shape)`` per leaf (`memento.loops._pool.stack_of`)."""
-    return [_pool.stack_of(a, num_slots) for a in avals]
+    """Zeroed pools for ``num_slots`` carries (`_pool.Pools`)."""
+    return _hidden_pools(avals, num_slots).allocate()
 
 
 def write(stacks, index, values, avals, when=None) -> list:
-    """``stacks[i][index] = values[i]`` (only where ``when``, a scalar bool, holds)."""
-    index = jnp.maximum(index, 0)
-    out = []
-    for b, v, a in zip(stacks, values, avals):
-        v = _pool.to_storage(v, a).astype(b.dtype)
-        if when is not None:
-            v = _pick(when, v, _get(b, index))
-        out.append(_put(b, index, v))
-    return out
+    """Stores the carry ``values`` in slot ``index`` (only where ``when``, a scalar bool,
+    holds)."""
+    return _hidden_pools(avals, 0).write(stacks, index, 0, values, "h", when)
 
 
-def load_hidden(stacks, init, slot, avals) -> list:
+def load_hidden(stacks, init, slot, avals, num_slots: int) -> list:
     """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
 
-    Reads the stacks outside any conditional (see `backward`): a ``where`` picks (on the
+    Reads the pools outside any conditional (see `backward`): a select picks (on the
     stored form: keys as key data).
     """
-    if not stacks or stacks[0].size == 0:  # no slots: h_0 is the only carry kept
+    if num_slots == 0:  # no slots: h_0 is the only carry kept
         return list(init)
-    index = jnp.maximum(slot, 0)
-    stored = [_get(b, index) for b in stacks]
+    stored = _hidden_pools(avals, 0).read(stacks, slot, 0, "h", stored=True)
     return [
-        _pool.from_storage(_pick(slot < 0, _pool.to_storage(a, v), b), v)
+        _pool.from_storage(_pool.pick(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
     ]
 
@@ -183,9 +182,14 @@ def load_hidden(stacks, init, slot, avals) -> list:
 # The backward pass
 
 
-def reorder(stacks, order) -> list:
-    """The stacks with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
-    return [jnp.take(b, order, axis=0, mode="clip") for b in stacks]
+def reorder(stacks, order, avals) -> list:
+    """The pools with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
+    pools = _hidden_pools(avals, 0)
+    out = []
+    for b, h in zip(stacks, pools.hidden_size):
+        entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)).reshape(-1)
+        out.append(jnp.take(b, entries, axis=0, mode="clip"))
+    return out
 
 
 def backward(
@@ -256,7 +260,7 @@ def backward(
         # Pop the carry whose step was the last back-propagated.
         depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
         b = _get(stack_pos, depth)
-        c = load_hidden(stacks, init, depth - 1, body.carry_avals)
+        c = load_hidden(stacks, init, depth - 1, body.carry_avals, slots - 1)
         if slots > 1:
             # Advance from push to push, writing each, then on to h_e: one loop.
             def segment(state):

@@ -45,6 +45,7 @@ def scan(
     *,
     memory: int | str | Bytes | None = None,
     policy: Policy = "auto",
+    executor: Executor = "auto",
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` whose reverse-mode gradient fits a memory budget, optimally.
 
@@ -68,7 +69,16 @@ def scan(
         policy: ``"auto"`` (cheapest of the below that fits), ``"hsm"`` (store carries),
             ``"ism"`` (store step residuals, "internal states"), ``"msm"`` (mix). The size
             of a step's residuals relative to the carry (the paper's alpha) is measured
-            when the gradient is traced, from the inputs it differentiates.
+            when the gradient is traced, from the inputs it differentiates. A budget
+            above what the loop can use (every step's residuals: ``lax.scan``'s memory)
+            is capped at that need.
+        executor: how the backward pass runs the schedule; every choice gives the same
+            gradient with the same forward evaluations. ``"rows"``: the schedule as
+            rows of data read by one loop (any policy). ``"recursion"``: HSM's binomial
+            recursion computed on the device, with no rows (O(slots) to plan at any
+            length; ``policy`` must be ``"hsm"`` or ``"auto"``, which then plans HSM).
+            ``"auto"``: the recursion for HSM plans from `recursion_min_steps` steps on,
+            the rows otherwise.
 
     Returns:
         ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included (a
@@ -96,6 +106,7 @@ def scan(
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
     """
     policy = check_policy(_NAME, policy)
+    executor = check_executor(_NAME, executor, policy)
     if memory is None:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
     budget = parse_memory(memory, name=_NAME)
@@ -104,9 +115,11 @@ def scan(
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
     body, init_leaves = _trace(f, init, xs, x_leaves, name=_NAME)
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
-    plan = functools.partial(_plan, num_steps=num_steps, slots=slots, policy=policy)
+    plan = functools.partial(
+        _plan, num_steps=num_steps, slots=slots, policy=policy, executor=executor
+    )
 
-    run = _differentiable_run(body, plan, num_steps, slots, unroll)
+    run = _differentiable_run(body, plan, num_steps, unroll)
     carry, ys = call_reverse_mode_only(
         run, (body.consts, init_leaves, x_leaves), name=_NAME, instead="memory=None (lax.scan)"
     )
@@ -131,6 +144,7 @@ def scan_schedule(
     length: int | None = None,
     reverse: bool = False,
     wrt: Sequence[Literal["closure", "init", "xs"]] = _WRT,
+    executor: Executor = "auto",
 ) -> Schedule:
     """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``.
 
@@ -141,7 +155,7 @@ def scan_schedule(
 
     Args:
         f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
-        memory, policy, length, reverse: as `memento.scan` (keyword-only here);
+        memory, policy, length, reverse, executor: as `memento.scan` (keyword-only here);
             ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
         wrt: what the gradient is taken with respect to, since alpha is measured from
             the residuals of what is differentiated: any of ``"closure"`` (every float
@@ -162,6 +176,7 @@ def scan_schedule(
     """
     name = "memento.loops.scan_schedule"
     policy = check_policy(name, policy)
+    executor = check_executor(name, executor, policy)
     if isinstance(wrt, str) or not set(wrt) <= set(_WRT):
         raise ValueError(
             f"{name}: wrt must be a collection of 'closure', 'init' and 'xs', got {wrt!r}."
@@ -182,8 +197,14 @@ def scan_schedule(
         ["init" in wrt] * len(body.carry_avals),
         ["xs" in wrt] * len(body.x_avals),
     )
-    _, schedule, _ = _plan(
-        body, num_steps=num_steps, slots=slots, policy=policy, name=name, rows=True
+    _, schedule, _, _ = _plan(
+        body,
+        num_steps=num_steps,
+        slots=slots,
+        policy=policy,
+        executor=executor,
+        name=name,
+        rows=True,
     )
     assert schedule is not None  # rows=True always plans one
     return schedule
@@ -238,18 +259,17 @@ def _length(x_leaves, length, *, name: str) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _compile(schedule: Schedule) -> Program:
-    # internal_units = memory + 1 makes a row's arg encode (hidden, internal) states below
-    # it on the stack, from which `_pool.Pools` places it in every typed pool.
-    return compile_schedule(schedule, schedule.memory + 1)
+    return compile_schedule(schedule)
 
 
 # HSM runs as a recursion on the device (`_recursion`) from `recursion_min_steps()`
 # steps on, below as a program of schedule rows (`_interpreter`); both make the optimal
 # schedule's evaluations (tests/loops/test_scan_recursion.py, and the conformance suite
-# runs both). The recursion plans nothing on the host: O(slots) at trace time and in
-# memory, whatever the length. The rows cost O(t) to plan and are a constant of O(t) in
-# the program. `python benchmarks/recursion.py`, same gradient forced either way
-# (results/recursion.json, recursion_small.json with ``--no-while --cases ...``):
+# runs every case through both). The recursion plans nothing on the host: O(slots) at
+# trace time and in memory, whatever the length. The rows cost O(t) to plan and are a
+# constant of O(t) in the program. `python benchmarks/recursion.py`, same gradient
+# forced either way (results/recursion.json, recursion_small.json with
+# ``--no-while --cases ...``):
 # - CPU (2 cores): on small bodies below 3e4 steps the recursion's first call is up to
 #   25% slower (an RNN cell of width 64: 0.25 against 0.20 s at 10^3 steps; even at
 #   3e4), from 1e5 on faster (0.51 against 0.57 s; a 4-float tanh body 0.16 against
@@ -259,15 +279,36 @@ def _compile(schedule: Schedule) -> Program:
 #   1.18 against 0.26 s at 10^4 steps and 12 s at 10^5 (the tanh body); per gradient
 #   the recursion is faster too (1.74 against 2.13 s at 10^4). So off the CPU every HSM
 #   scan runs as the recursion.
-RECURSION_MIN_STEPS: int | None = None  # an int overrides the platform's (tests, benchmarks)
 _RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
 
+Executor = Literal["auto", "rows", "recursion"]
+_EXECUTORS = ("auto", "rows", "recursion")
 
-def recursion_min_steps() -> int:
-    """The length from which an HSM scan runs as the recursion, on the default backend."""
-    if RECURSION_MIN_STEPS is not None:
-        return RECURSION_MIN_STEPS
-    return _RECURSION_FROM.get(jax.default_backend(), 1)
+
+def recursion_min_steps(backend: str | None = None) -> int:
+    """The length from which ``executor="auto"`` runs an HSM scan as the recursion, on
+    ``backend`` (default: JAX's default backend): 2**16 on CPU, 1 elsewhere."""
+    return _RECURSION_FROM.get(backend or jax.default_backend(), 1)
+
+
+def check_executor(name: str, executor, policy: Policy) -> Executor:
+    """``executor`` validated at the boundary (see `memento.scan`)."""
+    if executor not in _EXECUTORS:
+        raise ValueError(f"{name}: executor must be one of {_EXECUTORS}, got {executor!r}.")
+    if executor == "recursion" and policy not in ("hsm", "auto"):
+        raise ValueError(
+            f"{name}: executor='recursion' runs HSM's binomial recursion, so policy must "
+            f"be 'hsm' or 'auto' (which then plans HSM); got policy={policy!r}. Use "
+            "executor='rows' or 'auto' for ISM and MSM."
+        )
+    return executor
+
+
+def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
+    """The most slots a plan of ``num_steps`` steps can use: every internal state
+    (``num_steps * alpha``, ``lax.scan``'s memory), or every carry under HSM. A larger
+    budget plans exactly as this one (the planner's cost is flat from there on)."""
+    return num_steps if policy == "hsm" else num_steps * alpha
 
 
 def _plan(
@@ -276,27 +317,43 @@ def _plan(
     num_steps: int,
     slots: int,
     policy: Policy,
+    executor: Executor = "auto",
     name: str = _NAME,
     rows: bool = False,
 ):
-    """The residuals, schedule and program for a body differentiated as ``body`` says.
+    """The residuals, schedule, program and budget for a body differentiated as ``body``
+    says.
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated.
-    An HSM scan of `recursion_min_steps()` or more runs as the recursion: no program, and
-    no schedule unless ``rows`` (then the HSM schedule, whose evaluations it makes).
-    Otherwise the pools must fit the budget: when their layout cannot share memory
-    exactly as the schedule does (several dtypes, or the shaped layout of several
-    devices, see `_pool.Pools`), the schedule is planned again for fewer slots until they
-    fit.
+    The budget is capped at `useful_slots`: no plan, pool or stack is sized by a number
+    larger than what the loop can use. An HSM plan runs as the recursion when
+    ``executor`` says so: no program, and no schedule unless ``rows`` (then the HSM
+    schedule, whose evaluations it makes). Otherwise the pools must fit the budget: when
+    their layout cannot share memory exactly as the schedule does (leaves of several
+    dtypes or shapes, see `_pool.Pools`), the schedule is planned again for fewer slots
+    until they fit.
+
+    Returns:
+        ``(spec, schedule, program, slots)``: ``program`` is None for the recursion,
+        ``slots`` the capped budget it runs in.
     """
     spec = body.residual_spec()
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
-    chosen = choose_policy(num_steps, slots, alpha, policy, name=name)
-    if chosen == "hsm" and num_steps >= recursion_min_steps():
+    slots = min(slots, useful_slots(num_steps, alpha, "auto"))
+    chosen = (
+        "hsm"
+        if executor == "recursion"
+        else choose_policy(num_steps, slots, alpha, policy, name=name)
+    )
+    if chosen == "hsm":
+        slots = min(slots, useful_slots(num_steps, alpha, "hsm"))
+    if chosen == "hsm" and (
+        executor == "recursion" or (executor == "auto" and num_steps >= recursion_min_steps())
+    ):
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
-        return spec, schedule, None
+        return spec, schedule, None, slots
     m = slots
     while True:
         # Fewer slots may change what auto picks: choose again at each size.
@@ -305,11 +362,11 @@ def _plan(
         used = pool_bytes(prog, body, spec)
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes
         if used <= allowed or m == 1:
-            return spec, schedule, prog
+            return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
 
 
-def _differentiable_run(body: Body, plan: Callable, num_steps: int, budget: int, unroll):
+def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
     """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
 
     @jax.custom_vjp
@@ -323,7 +380,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, budget: int,
         # symbolic_zeros: each argument comes with whether it is perturbed (needs a
         # cotangent); only what is perturbed, or depends on it, is differentiated.
         b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
-        spec, _, prog = plan(b)
+        spec, _, prog, budget = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(
@@ -331,11 +388,11 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, budget: int,
             )
         else:
             c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
-        return (c, ys), (consts, init, xs, slots, working, Static((b, spec, prog)))
+        return (c, ys), (consts, init, xs, slots, working, Static((b, spec, prog, budget)))
 
     def bwd(res, cts):
         consts, init, xs, slots, working, static = res
-        b, spec, prog = static.value
+        b, spec, prog, budget = static.value
         ct_c, ct_ys = cts
         ct_c_f = instantiate(ct_c, b.carry_avals, b.carry_mask)
         ct_ys_f = instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)

@@ -438,7 +438,7 @@ def _differentiable_run(
             return ct_b
 
         # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-        hidden = _recursion.reorder(hidden, stack_slot[1:])
+        hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
         ct_k, ct_init, ct_b = _recursion.backward(
             b, slots, max_t, consts, init, [], hidden, n - 1, stack_pos, depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,
