@@ -1,8 +1,14 @@
 import gc
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# The suite runs with memento's device-side invariant checks on (`memento.loops._pool.
+# checks_enabled`): a stored state loaded from the wrong place fails loudly, not as a
+# slightly wrong gradient. MEMENTO_CHECKS=0 runs it as users do by default.
+os.environ.setdefault("MEMENTO_CHECKS", "1")
 
 # Every executable XLA:CPU compiles holds memory maps, and a process may hold at most
 # vm.max_map_count of them (65530 by default). One suite compiles thousands of programs:

@@ -298,3 +298,62 @@ def test_executor_is_validated():
         memento.scan(f, 0.0, jnp.zeros(3), memory=2, executor="gpu")
     with pytest.raises(ValueError, match="executor='recursion' runs HSM"):
         memento.scan(f, 0.0, jnp.zeros(3), memory=2, policy="msm", executor="recursion")
+
+
+# -- debug mode (MEMENTO_CHECKS) catches a broken executor ---------------------------------
+
+
+def _corrupt(monkeypatch, what):
+    # A program whose rows point at the wrong place: the executor itself is broken.
+    import dataclasses
+
+    from memento.loops import _scan
+
+    real = _scan._compile.__wrapped__
+
+    def compile_wrong(schedule):
+        prog = real(schedule)
+        if what == "load":  # every hidden load reads the first hidden slot
+            rows = prog.primal_rows.copy()
+            rows[(rows[:, 0] == 3) & (rows[:, 1] > 0), 1] = 0  # LOAD_HIDDEN branch
+            return dataclasses.replace(prog, primal_rows=rows)
+        rows = prog.backward_rows.copy()  # a stored backward reads another step's state
+        stored = np.flatnonzero(rows[:, 0] == 0)
+        rows[stored[1:], 2] = rows[stored[:-1], 2]
+        return dataclasses.replace(prog, backward_rows=rows)
+
+    monkeypatch.setattr(_scan, "_compile", compile_wrong)
+
+
+@pytest.mark.parametrize("what,policy", [("load", "hsm"), ("backward", "ism")])
+def test_checks_catch_a_broken_program(monkeypatch, what, policy):
+    monkeypatch.setenv("MEMENTO_CHECKS", "1")
+    _corrupt(monkeypatch, what)
+    scan = _scan(6 if policy == "hsm" else 30, policy, "rows")
+    with pytest.raises(Exception, match="executor invariant broken"):
+        jax.block_until_ready(_tanh_rnn_grad(scan, T=40))
+
+
+def test_checks_off_let_the_same_fault_through(monkeypatch):
+    # Why the suite runs with them on: the same fault is silent without them.
+    monkeypatch.setenv("MEMENTO_CHECKS", "0")
+    _corrupt(monkeypatch, "load")
+    got = _tanh_rnn_grad(_scan(6, "hsm", "rows"), T=40)
+    assert not np.allclose(got, _tanh_rnn_grad(lax.scan, T=40))
+
+
+def test_checks_catch_a_broken_recursion(monkeypatch):
+    from memento.loops import _recursion
+
+    monkeypatch.setenv("MEMENTO_CHECKS", "1")
+    real = _recursion.load_hidden
+    # Every load from a slot asks for the slot below: the carry is at the wrong position.
+    monkeypatch.setattr(
+        _recursion,
+        "load_hidden",
+        lambda stacks, init, slot, *a, **k: real(
+            stacks, init, jnp.maximum(slot - 1, jnp.minimum(slot, 0)), *a, **k
+        ),
+    )
+    with pytest.raises(Exception, match="executor invariant broken"):
+        jax.block_until_ready(_tanh_rnn_grad(_scan(6, "hsm", "recursion"), T=40))

@@ -177,39 +177,77 @@ class _Layout:
     has_hidden: bool  # whether any hidden state is stored (else h_0 is the only one)
 
     @staticmethod
-    def of(prog: Program, body: Body, spec: ResidualSpec) -> _Layout:
+    def of(prog: Program, body: Body, spec: ResidualSpec, tagged: bool | None = None) -> _Layout:
         extra = tuple(body.carry_avals) if prog.loads_internal else ()
         internal = tuple(spec.stored) + extra
-        pools = _pool.Pools.of(body.carry_avals, internal, prog.tops)
+        tagged = _pool.checks_enabled() if tagged is None else tagged
+        pools = _pool.Pools.of(body.carry_avals, internal, prog.tops, tagged=tagged)
         return _Layout(pools, bool((prog.tops[:, 0] > 0).any()))
+
+    @property
+    def tagged(self) -> bool:
+        return self.pools.tagged
 
     def allocate(self) -> Slots:
         return Slots(self.pools.allocate())
 
-    def save_hidden(self, slots: Slots, at, c, when=None) -> Slots:
-        return Slots(self.pools.write(slots.pools, *at, c, "h", when))
+    def _tag(self, leaves, tag) -> list:
+        return [*leaves, jnp.asarray(tag, jnp.int32)] if self.tagged else list(leaves)
 
-    def load_hidden(self, slots: Slots, init, at):
-        """``h`` stored at ``at``, or ``init`` for ``nh = -1`` (the caller's ``h_0``)."""
+    def _untag(self, stored, at, kind, want, active, what) -> list:
+        """The leaves without their tag, checking it against ``want`` (debug mode)."""
+        if not self.tagged:
+            return stored
+        ok = (stored[-1] == want) & self.pools.in_bounds(*at, kind)
+        _pool.check(jnp.logical_not(active) | ok, what)
+        return stored[:-1]
+
+    def save_hidden(self, slots: Slots, at, c, when=None, *, pos=0) -> Slots:
+        """Stores ``c = h_pos`` at ``at`` (where ``when`` holds)."""
+        if self.tagged:
+            ok = self.pools.in_bounds(*at, "h")
+            _pool.check(
+                ok if when is None else jnp.logical_not(when) | ok, "a hidden save out of the pools"
+            )
+        return Slots(self.pools.write(slots.pools, *at, self._tag(c, 2 * pos), "h", when))
+
+    def load_hidden(self, slots: Slots, init, at, *, pos=0, active=True):
+        """``h`` stored at ``at``, or ``init`` for ``nh = -1`` (the caller's ``h_0``);
+        in debug mode, checked to be ``h_pos`` where ``active``."""
         if not self.has_hidden:
             return list(init)
         avals = self.pools.hidden_avals
         stored = self.pools.read(slots.pools, *at, "h", stored=True)
+        stored = self._untag(
+            stored, at, "h", 2 * pos, active & (at[0] >= 0), "a hidden state loaded is not h_pos"
+        )
         return [
             _pool.from_storage(_pool.pick(at[0] < 0, _pool.to_storage(a, v), b), v)
             for a, b, v in zip(init, stored, avals)
         ]
 
-    def save_internal(self, slots: Slots, at, leaves, when=None) -> Slots:
-        return Slots(self.pools.write(slots.pools, *at, leaves, "i", when))
+    def save_internal(self, slots: Slots, at, leaves, when=None, *, pos=0) -> Slots:
+        """Stores step ``pos``'s internal state at ``at`` (where ``when`` holds)."""
+        if self.tagged:
+            ok = self.pools.in_bounds(*at, "i")
+            _pool.check(
+                ok if when is None else jnp.logical_not(when) | ok,
+                "an internal save out of the pools",
+            )
+        return Slots(self.pools.write(slots.pools, *at, self._tag(leaves, 2 * pos + 1), "i", when))
 
-    def load_internal(self, slots: Slots, at):
-        return self.pools.read(slots.pools, *at, "i")
+    def load_internal(self, slots: Slots, at, *, step=0, active=True):
+        """The internal state stored at ``at``; in debug mode checked to be step
+        ``step``'s where ``active``."""
+        stored = self.pools.read(slots.pools, *at, "i")
+        return self._untag(
+            stored, at, "i", 2 * step + 1, active, "an internal state loaded is not the step's"
+        )
 
 
 def pool_bytes(prog: Program, body: Body, spec: ResidualSpec) -> int:
     """Bytes of the slot pools that running ``prog`` on ``body`` allocates."""
-    return _Layout.of(prog, body, spec).pools.nbytes
+    return _Layout.of(prog, body, spec, tagged=False).pools.nbytes  # tags are not the budget's
 
 
 def x_at(xs, p):
@@ -256,12 +294,12 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     n_sweep = t - 1 if prog.fused_last else t
     has_internal = prog.sweep_saves_internal
 
-    def save_step(c, slots, x, si):
+    def save_step(c, slots, x, si, p):
         c_new, y, res = body.save(spec, consts, c, x)
         extra = c_new if prog.loads_internal else []
-        return c_new, y, layout.save_internal(slots, si, res + extra)
+        return c_new, y, layout.save_internal(slots, si, res + extra, pos=p)
 
-    def primal_step(c, slots, x, si):
+    def primal_step(c, slots, x, si, p):
         c_new, y = body(consts, c, x)
         return c_new, y, slots
 
@@ -270,13 +308,15 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         p, sh_h, sh_i, si_h, si_i = inp
         x = x_at(xs, p)
         if prog.sweep_saves_hidden:
-            slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0)
+            slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0, pos=p)
         if has_internal:
             # Write-or-identity: the pool stays in place, and steps that store nothing
             # run the primal only.
-            c_new, y, slots = lax.cond(si_h >= 0, save_step, primal_step, c, slots, x, (si_h, si_i))
+            c_new, y, slots = lax.cond(
+                si_h >= 0, save_step, primal_step, c, slots, x, (si_h, si_i), p
+            )
         else:
-            c_new, y, slots = primal_step(c, slots, x, None)
+            c_new, y, slots = primal_step(c, slots, x, None, p)
         return (c_new, slots), y
 
     # Steps are indexed, not sliced: ``xs[:t-1]`` would be a copy of xs in temp memory.
@@ -298,7 +338,8 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     if prog.fused_last:
         x_last = [x[t - 1] for x in xs]
         if prog.save_hidden[t - 1, 0] >= 0:
-            slots = layout.save_hidden(slots, tuple(int(v) for v in prog.save_hidden[t - 1]), c)
+            at = tuple(int(v) for v in prog.save_hidden[t - 1])
+            slots = layout.save_hidden(slots, at, c, pos=t - 1)
         c, y_last, working = body.save(spec, consts, c, x_last)
         ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, slots, working
@@ -374,17 +415,22 @@ def run_backward(
     def save_internal(c, slots, at, pos):
         c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
         extra = c_new if prog.loads_internal else []
-        return c_new, layout.save_internal(slots, at, res + extra)
+        return c_new, layout.save_internal(slots, at, res + extra, pos=pos)
 
-    def run_primal(c, slots, lo, hi):
+    # Debug mode (`_pool.checks_enabled`) also tracks ``cur``, the working state's
+    # position: a row that runs from the working state must find it at its position.
+    track = layout.tagged
+    ADV = _BRANCH[Op.ADVANCE]
+
+    def run_primal(c, slots, lo, hi, cur):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
-            return c, slots
+            return c, slots, cur
 
         def cond(state):
             return state[0] < hi
 
         def body_fn(state):
-            pc, c, slots = state
+            pc, c, slots, cur = state
             # Each entry read on its own, as the sweep scans its columns one by one.
             branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 3]
             at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
@@ -393,17 +439,26 @@ def run_backward(
                     branch == SAVE_I, save_internal, lambda c, s, *_: (c, s), c, slots, at, pos
                 )
             if SAVE_H in rows_ops:
-                slots = layout.save_hidden(slots, at, c, branch == SAVE_H)
+                slots = layout.save_hidden(slots, at, c, branch == SAVE_H, pos=pos)
             loaded_h = loaded_i = c
             if LOAD_H in rows_ops:
-                loaded_h = layout.load_hidden(slots, init, at)
+                loaded_h = layout.load_hidden(slots, init, at, pos=pos, active=branch == LOAD_H)
             if LOAD_I in rows_ops:
-                loaded_i = layout.load_internal(slots, at)[n_stored:]
+                # LOAD_INTERNAL at pos: the output state of step pos - 1.
+                loaded_i = layout.load_internal(slots, at, step=pos - 1, active=branch == LOAD_I)[
+                    n_stored:
+                ]
             c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
-            return pc + 1, c, slots
+            if track:
+                loads = (branch == LOAD_H) | (branch == LOAD_I)
+                _pool.check(loads | (cur == pos), "a row's working state is not at its position")
+                cur = jnp.select(
+                    [branch == ADV, branch == SAVE_I, loads], [pos + arg, pos + 1, pos], cur
+                )
+            return pc + 1, c, slots, cur
 
-        _, c, slots = lax.while_loop(cond, body_fn, (lo, c, slots))
-        return c, slots
+        _, c, slots, cur = lax.while_loop(cond, body_fn, (lo, c, slots, cur))
+        return c, slots, cur
 
     # -- one backward -------------------------------------------------------------------
     # The pool may be *read* inside a conditional (only handing it back copies it), so a
@@ -412,7 +467,7 @@ def run_backward(
         return apply_pullback(body.linearize(consts, c, x_at(xs, p))[2], ct_c, ct_y)
 
     def stored_bw(c, slots, slot, p, ct_c, ct_y):
-        stored = layout.load_internal(slots, slot)[:n_stored]  # slot: (nh, ni)
+        stored = layout.load_internal(slots, slot, step=p)[:n_stored]  # slot: (nh, ni)
         return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
 
     def either_bw(fused):
@@ -457,21 +512,24 @@ def run_backward(
         return state[0] < t
 
     def outer_body(state):
-        k, c, slots, ct_c, ct_k, ct_xs = state
-        c, slots = run_primal(c, slots, segment_end[k - 1], segment_end[k])
+        k, c, slots, ct_c, ct_k, ct_xs, cur = state
+        c, slots, cur = run_primal(c, slots, segment_end[k - 1], segment_end[k], cur)
         fused, slot = backward_rows[k, 0], (backward_rows[k, 1], backward_rows[k, 2])
         p = t - 1 - k
+        if track:
+            _pool.check((fused == 0) | (cur == p), "a fused backward's state is not h_p")
         if prog.any_fused and prog.any_internal:
             bw = either_bw(fused)
         else:
             bw = fused_bw if prog.any_fused else stored_bw
         ct_c, ct_k, ct_xs = backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs)
-        return k + 1, c, slots, ct_c, ct_k, ct_xs
+        return k + 1, c, slots, ct_c, ct_k, ct_xs, cur
 
-    state = (jnp.int32(1), c0, slots, ct_c, ct_k, ct_xs)
+    # c0 is h_0 (unused until a row loads or advances from it), so cur starts at 0.
+    state = (jnp.int32(1), c0, slots, ct_c, ct_k, ct_xs, jnp.int32(0))
     if t > 1:
         state = lax.while_loop(outer_cond, outer_body, state)
-    _, _, _, ct_c, ct_k, ct_xs = state
+    _, _, _, ct_c, ct_k, ct_xs, _ = state
     ct_k, ct_xs = iter(ct_k), iter(ct_xs)
     return (
         [next(ct_k) if n else None for n in need_k],

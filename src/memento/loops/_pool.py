@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -189,6 +190,39 @@ def from_storage(x, aval):
 
 
 # ----------------------------------------------------------------------------------------
+# Debug mode: device-side invariant checks
+
+
+def checks_enabled() -> bool:
+    """Whether the executors check their invariants on the device: set the environment
+    variable ``MEMENTO_CHECKS=1`` (read when a gradient is traced; the test suite sets it).
+
+    Each stored state then carries a tag, ``2p`` for ``h_p`` and ``2p + 1`` for step
+    ``p``'s internal state, checked on every load against the position the schedule
+    expects; pool entries are checked to lie within the pools, and the working state's
+    position is checked before each fused backward. A broken invariant raises (as a
+    ``JaxRuntimeError`` naming it) when the computation runs. Off by default.
+    """
+    return os.environ.get("MEMENTO_CHECKS", "") not in ("", "0")
+
+
+TAG = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def check(ok, what: str) -> None:
+    """Raises at run time, on the device's host callback, where ``ok`` is false."""
+
+    def fail_unless(ok):
+        if not np.all(ok):
+            raise AssertionError(
+                f"memento (MEMENTO_CHECKS): executor invariant broken: {what}. This is a "
+                "bug in memento; please report it with the loop's shapes and budget."
+            )
+
+    jax.debug.callback(fail_unless, ok)
+
+
+# ----------------------------------------------------------------------------------------
 # The pools
 
 
@@ -216,8 +250,13 @@ class Pools:
     ``(entries, *shape)``; a stored leaf takes one entry. Zero-size leaves take none (they
     are rebuilt on read).
 
+    With ``tagged`` (`checks_enabled`), each state has one more leaf, an int32 tag
+    (see `checks_enabled`): `write` takes it last among the leaves, `read` returns it
+    last.
+
     Attributes:
-        hidden_avals, internal_avals: the leaves of one hidden / internal state.
+        hidden_avals, internal_avals: the leaves of one hidden / internal state (tag
+            included).
         groups: ``(dtype, shape, explicit sharding or None)`` of each pool.
         hidden_size, internal_size: entries of each pool that one state takes.
         sizes: entries of each pool (its peak over the schedule).
@@ -229,11 +268,21 @@ class Pools:
     hidden_size: tuple[int, ...]
     internal_size: tuple[int, ...]
     sizes: tuple[int, ...]
+    tagged: bool = False
 
     @staticmethod
-    def of(hidden_avals, internal_avals, tops: np.ndarray, *, name: str = "memento") -> Pools:
+    def of(
+        hidden_avals,
+        internal_avals,
+        tops: np.ndarray,
+        *,
+        tagged: bool = False,
+        name: str = "memento",
+    ) -> Pools:
         """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
         states on the stack after each save (the peak is among them)."""
+        if tagged:
+            hidden_avals, internal_avals = (*hidden_avals, TAG), (*internal_avals, TAG)
         stored = [a for a in (*hidden_avals, *internal_avals) if _group(a) is not None]
         groups = tuple(dict.fromkeys(_group(a) for a in stored))
 
@@ -252,7 +301,7 @@ class Pools:
             for h, i in zip(hs, is_)
         )
         checked_int32(sizes, "a slot pool's number of entries", name=name)
-        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes)
+        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, tagged)
 
     @property
     def nbytes(self) -> int:
@@ -274,6 +323,14 @@ class Pools:
 
     def _avals(self, kind: str):
         return self.hidden_avals if kind == "h" else self.internal_avals
+
+    def in_bounds(self, nh, ni, kind: str):
+        """Whether a state of ``kind`` at ``(nh, ni)`` lies within every pool."""
+        n = self.hidden_size if kind == "h" else self.internal_size
+        ok = jnp.bool_(True)
+        for start, k, size in zip(self._starts(nh, ni), n, self.sizes):
+            ok = ok & (start + k <= size)
+        return ok & (nh >= 0) & (ni >= 0)
 
     def write(self, pools: Sequence, nh, ni, leaves: Sequence, kind: str, when=None) -> list:
         """Stores one state's ``leaves`` below which lie ``nh`` hidden and ``ni`` internal

@@ -148,8 +148,11 @@ def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
 
 def _hidden_pools(avals, num_slots: int) -> _pool.Pools:
     """The pools of ``num_slots`` carries: `memento.loops._pool`'s one slot layout, with
-    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``)."""
-    return _pool.Pools.of(tuple(avals), (), np.array([[num_slots, 0]]))
+    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``), tagged
+    with their positions in debug mode (`_pool.checks_enabled`)."""
+    return _pool.Pools.of(
+        tuple(avals), (), np.array([[num_slots, 0]]), tagged=_pool.checks_enabled()
+    )
 
 
 def allocate(avals, num_slots: int) -> list:
@@ -157,21 +160,30 @@ def allocate(avals, num_slots: int) -> list:
     return _hidden_pools(avals, num_slots).allocate()
 
 
-def write(stacks, index, values, avals, when=None) -> list:
-    """Stores the carry ``values`` in slot ``index`` (only where ``when``, a scalar bool,
-    holds)."""
-    return _hidden_pools(avals, 0).write(stacks, index, 0, values, "h", when)
+def write(stacks, index, values, avals, when=None, *, pos=0) -> list:
+    """Stores the carry ``values``, ``h_pos``, in slot ``index`` (only where ``when``, a
+    scalar bool, holds)."""
+    pools = _hidden_pools(avals, 0)
+    if pools.tagged:
+        values = [*values, jnp.asarray(2 * pos, jnp.int32)]
+    return pools.write(stacks, index, 0, values, "h", when)
 
 
-def load_hidden(stacks, init, slot, avals, num_slots: int) -> list:
-    """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``).
+def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos=0) -> list:
+    """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``); in
+    debug mode checked to be ``h_pos``.
 
     Reads the pools outside any conditional (see `backward`): a select picks (on the
     stored form: keys as key data).
     """
     if num_slots == 0:  # no slots: h_0 is the only carry kept
         return list(init)
-    stored = _hidden_pools(avals, 0).read(stacks, slot, 0, "h", stored=True)
+    pools = _hidden_pools(avals, num_slots)
+    stored = pools.read(stacks, slot, 0, "h", stored=True)
+    if pools.tagged:
+        ok = (stored[-1] == 2 * pos) & (slot < num_slots)
+        _pool.check((slot < 0) | ok, "a carry loaded by the recursion is not h_pos")
+        stored = stored[:-1]
     return [
         _pool.from_storage(_pool.pick(slot < 0, _pool.to_storage(a, v), b), v)
         for a, b, v in zip(init, stored, avals)
@@ -260,7 +272,7 @@ def backward(
         # Pop the carry whose step was the last back-propagated.
         depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
         b = _get(stack_pos, depth)
-        c = load_hidden(stacks, init, depth - 1, body.carry_avals, slots - 1)
+        c = load_hidden(stacks, init, depth - 1, body.carry_avals, slots - 1, pos=b)
         if slots > 1:
             # Advance from push to push, writing each, then on to h_e: one loop.
             def segment(state):
@@ -269,7 +281,7 @@ def backward(
                 to = jnp.minimum(q, e)
                 c = advance_steps(body, consts, c, xs, p, to - p)
                 push = q < e
-                stacks = write(stacks, depth, c, body.carry_avals, push)  # at depth + 1
+                stacks = write(stacks, depth, c, body.carry_avals, push, pos=to)  # depth + 1
                 above = _pick(push, q, _get(stack_pos, depth + 1))
                 stack_pos = _put(stack_pos, depth + 1, above)
                 return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
@@ -312,7 +324,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
         p, c, stacks, ptr = state
         keep = _get(at, ptr) == p
         if slots > 1:
-            stacks = write(stacks, ptr, c, body.carry_avals, keep)
+            stacks = write(stacks, ptr, c, body.carry_avals, keep, pos=p)
         c, y = body(consts, c, x_at(xs, p))
         return (p + 1, c, stacks, ptr + keep.astype(jnp.int32)), y
 
@@ -320,7 +332,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
     state = (jnp.int32(0), list(init), stacks, jnp.int32(0))
     (_, c, stacks, _), ys = lax.scan(step, state, None, length=t - 1, unroll=unroll)
     if pushes and pushes[-1] == t - 1:
-        stacks = write(stacks, len(pushes) - 1, c, body.carry_avals)
+        stacks = write(stacks, len(pushes) - 1, c, body.carry_avals, pos=t - 1)
     c, y_last, working = body.save(spec, consts, c, [x[t - 1] for x in xs])
     ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, stacks, working

@@ -411,7 +411,7 @@ def _differentiable_run(
             p, ptr, c, hidden, bufs = state
             keep = sp[ptr] == p
             if num_slots:
-                hidden = _recursion.write(hidden, ss[ptr], c, body.carry_avals, keep)
+                hidden = _recursion.write(hidden, ss[ptr], c, body.carry_avals, keep, pos=p)
             c, bufs = step(consts, c, bufs)
             return p + 1, ptr + keep.astype(jnp.int32), c, hidden, bufs
 
