@@ -6,8 +6,12 @@ and read it back, for
 
 - ``typed``: one buffer per leaf with a leading slot axis (what `memento.while_loop` uses
   for carries);
-- ``typed pools``: `memento.loops._pool.Pools`, one flat pool per dtype shared by hidden
-  and internal states, what `memento.scan` uses now;
+- ``typed pools``: `memento.loops._pool.Pools`, one pool per dtype and shape (a stored
+  leaf is one entry) shared by hidden and internal states, what `memento.scan` and
+  `memento.while_loop` use now;
+- ``flat pools (before)``: one flat pool per dtype, each leaf raveled at an element
+  offset, the single-device layout before (its int32 offsets wrapped past 2^31
+  elements, and it forked the layout on the device count);
 - ``pool uint32`` / ``pool uint8``: every leaf bitcast into one flat pool of words, the
   design `memento.scan` used before the typed pools (it lost tangents, complex numbers
   and keys); kept here, written out below, to compare the two in one process.
@@ -76,16 +80,45 @@ def variants(leaves: list, num_steps: int) -> dict:
 
     def typed_pools(leaves):
         avals = [jax.typeof(leaf) for leaf in leaves]
-        # internal states only: a row's arg is the number below it (base 1, no hidden)
-        pools = _pool.Pools.of([], avals, np.array([[0, num_steps]]), 1)
+        # internal states only: a state's place is (nh, ni) = (0, number below it)
+        pools = _pool.Pools.of([], avals, np.array([[0, num_steps]]))
 
         def put(i, p):
-            return pools.write(p, i, state(leaves, i), "i")
+            return pools.write(p, 0, i, state(leaves, i), "i")
 
         def get(j, acc):
-            return acc + total(pools.read(p, num_steps - 1 - j, "i"))
+            return acc + total(pools.read(p, 0, num_steps - 1 - j, "i"))
 
         p = lax.fori_loop(0, num_steps, put, pools.allocate())
+        return lax.fori_loop(0, num_steps, get, 0.0)
+
+    def flat_pools(leaves):
+        # The layout memento used on one device before: one flat pool per dtype, a
+        # leaf stored raveled at an element offset (int32, which wrapped past 2^31).
+        dtypes = list(dict.fromkeys(leaf.dtype for leaf in leaves))
+        unit = {d: sum(leaf.size for leaf in leaves if leaf.dtype == d) for d in dtypes}
+        pools0 = [jnp.zeros(num_steps * unit[d], d) for d in dtypes]
+
+        def put(i, pools):
+            pools, starts = list(pools), [i * unit[d] for d in dtypes]
+            for v in state(leaves, i):
+                j = dtypes.index(v.dtype)
+                pools[j] = lax.dynamic_update_slice_in_dim(pools[j], v.ravel(), starts[j], 0)
+                starts[j] = starts[j] + v.size
+            return pools
+
+        def get(k, acc):
+            i = num_steps - 1 - k
+            starts = [i * unit[d] for d in dtypes]
+            out = []
+            for leaf in leaves:
+                j = dtypes.index(leaf.dtype)
+                x = lax.dynamic_slice_in_dim(pools[j], starts[j], leaf.size)
+                out.append(x.reshape(leaf.shape))
+                starts[j] = starts[j] + leaf.size
+            return acc + total(out)
+
+        pools = lax.fori_loop(0, num_steps, put, pools0)
         return lax.fori_loop(0, num_steps, get, 0.0)
 
     def word_pool(word):
@@ -121,6 +154,7 @@ def variants(leaves: list, num_steps: int) -> dict:
         "no storage": none,
         "typed": typed,
         "typed pools": typed_pools,
+        "flat pools (before)": flat_pools,
         "pool uint32": word_pool(4),
         "pool uint8": word_pool(1),
     }

@@ -357,3 +357,12 @@ def test_checks_catch_a_broken_recursion(monkeypatch):
     )
     with pytest.raises(Exception, match="executor invariant broken"):
         jax.block_until_ready(_tanh_rnn_grad(_scan(6, "hsm", "recursion"), T=40))
+
+
+def test_lengths_past_int32_are_refused_before_tracing():
+    def loss(c, xs):
+        return memento.scan(lambda c, x: (c + x, None), c, xs, memory=10)[0].sum()
+
+    xs = jax.ShapeDtypeStruct((2**31,), jnp.float32)
+    with pytest.raises(ValueError, match="past the 2147483646 a budgeted scan indexes"):
+        jax.jit(jax.grad(loss)).trace(jnp.float32(0), xs)

@@ -33,6 +33,7 @@ from ._budget import (
 from ._interpreter import Program, compile_schedule, pool_bytes, run_backward, run_sweep
 
 _NAME = "memento.scan"
+_MAX_STEPS = 2**31 - 2  # positions and the sweep's step counter are int32
 
 
 def scan(
@@ -113,6 +114,12 @@ def scan(
     num_steps, x_leaves = _steps(xs, length, reverse, name=_NAME)
     if num_steps == 0:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+    if num_steps > _MAX_STEPS:
+        raise ValueError(
+            f"{_NAME}: {num_steps} steps is past the {_MAX_STEPS} a budgeted scan indexes "
+            "with int32 positions; split the loop into an outer memento.scan over chunks, "
+            "or use memory=None (lax.scan)."
+        )
     body, init_leaves = _trace(f, init, xs, x_leaves, name=_NAME)
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(
