@@ -577,3 +577,89 @@ def test_compiled_program_recomputes_from_integer_states():
     assert len(re.findall(r"\bsort\(", c.as_text())) == planned
     ref = jax.grad(lambda p: jnp.sum(jnp.cos(compose(fns(*p), ids))))((emb, ws))
     assert_trees_close(jax.grad(loss)((emb, ws), ids, memory), ref)
+
+
+# -- extremes: one layer, empty states, budgets far above need --------------------------
+
+
+def test_one_layer():
+    x = jnp.asarray([-0.0, 0.5, 2.0])
+    for memory in (1, 2, "1KiB"):
+        g = jax.grad(lambda x, m=memory: jnp.sum(memento.chain([signbit_layer], x, memory=m)))(x)
+        assert_same(g, jax.grad(lambda x: jnp.sum(signbit_layer(x)))(x))
+        plan = chain_plan([signbit_layer], x, memory=memory)
+        assert plan.evaluations().tolist() == [1] and plan.num_layers == 1
+
+
+@pytest.mark.parametrize(
+    "x",
+    [jnp.zeros((0,)), {"a": jnp.zeros((0, 3)), "b": jnp.linspace(-1.0, 1.0, 4)}],
+    ids=["empty", "empty-leaf"],
+)
+def test_zero_size_states(x):
+    fns = [
+        lambda h: jax.tree_util.tree_map(jnp.sin, h),
+        lambda h: jax.tree_util.tree_map(lambda a: a * 2.0, h),
+        lambda h: sum(jnp.sum(jnp.cos(a)) for a in jax.tree_util.tree_leaves(h)),
+    ]
+    ref = jax.grad(lambda x: compose(fns, x))(x)
+    for memory in (1, 3, "1KiB"):
+        got = jax.grad(lambda x, m=memory: memento.chain(fns, x, memory=m))(x)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+def test_budgets_far_above_need_run_store_all():
+    # Slots and bytes far above what storing everything takes (2^62 slots of 48 bytes is
+    # 2^67.6 bytes: Python ints, no wrapping), NumPy integers among them: the plan is
+    # capped at store-all, and the compiled program's memory does not grow with the
+    # number.
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    ws = [jax.random.normal(k[i], (6, 6), jnp.float64) * 0.5 for i in range(4)]
+    x = jnp.linspace(-1.0, 1.0, 6)
+
+    def fns(ws):
+        return [functools.partial(dense, w, 0.0) for w in ws]
+
+    def f(ws, x, memory):
+        y = compose(fns(ws), x) if memory is None else memento.chain(fns(ws), x, memory=memory)
+        return jnp.sum(y**2)
+
+    def temp(memory):
+        c = jax.jit(jax.grad(f), static_argnums=2).lower(ws, x, memory).compile()
+        return c.memory_analysis().temp_size_in_bytes
+
+    ref = jax.grad(f, (0, 1))(ws, x, None)
+    everything = chain_plan(fns(ws), x, memory=100)
+    assert (everything.evaluations() == 1).all()
+    huge = [
+        10**6,
+        2**40,
+        2**62,
+        np.int64(2**40),
+        np.int32(2**30),
+        "1TiB",
+        "1PiB",
+        memento.bytes_budget(2**40),
+        memento.bytes_budget(np.int64(2**50)),
+        memento.bytes_budget(10**30),
+    ]
+    temps = set()
+    for memory in huge:
+        plan = chain_plan(fns(ws), x, memory=memory)
+        assert (plan.evaluations() == 1).all(), memory
+        assert plan.schedule.cost == everything.schedule.cost
+        assert plan.peak_bytes == everything.peak_bytes
+        if isinstance(memory, (int, np.integer)):  # exact, in Python ints
+            assert plan.budget_bytes == int(memory) * 48
+        assert plan.budget_bytes > everything.peak_bytes
+        assert_trees_close(jax.grad(f, (0, 1))(ws, x, memory), ref)
+        if not isinstance(memory, np.integer):  # static arguments must hash
+            temps.add(temp(memory))
+    assert temps == {temp(100)}
+    np.testing.assert_array_equal(
+        chain_plan(fns(ws), x, memory=np.int64(2)).schedule.actions,
+        chain_plan(fns(ws), x, memory=2).schedule.actions,
+    )

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import re
+
+import numpy as np
 
 from .. import planning
 from ..planning import Policy, Schedule, auto_policy
@@ -13,8 +16,19 @@ from ..planning import Policy, Schedule, auto_policy
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "pb": 10**15, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }  # fmt: skip
+
+
+def _integer(value) -> int | None:
+    """``value`` as a Python int if it is an integer (``int``, NumPy integers, anything
+    with ``__index__``) and not a boolean; else ``None``."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +47,12 @@ def bytes_budget(num_bytes: int) -> Bytes:
     Example:
         >>> memento.scan(f, init, xs, memory=memento.bytes_budget(2**28))  # doctest: +SKIP
     """
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+    count = _integer(num_bytes)
+    if count is None:
         raise TypeError(
             f"memento.bytes_budget: expected an int number of bytes, got {num_bytes!r}."
         )
+    num_bytes = count
     if num_bytes < 1:
         raise ValueError(
             f"memento.bytes_budget: expected a positive number of bytes, got {num_bytes}."
@@ -57,17 +73,18 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
                 "'1.5GB' or '4096B', an int number of slots, or memento.bytes_budget(n)."
             )
         return bytes_budget(max(1, int(float(m.group(1)) * _UNITS[unit])))
-    if isinstance(memory, bool) or not isinstance(memory, int):
+    slots = _integer(memory)  # NumPy integers too, as plain ints (no wrapping later)
+    if slots is None:
         raise TypeError(
             f"{name}: memory must be None, an int number of carry-sized slots, a size string "
             f"such as '256MiB', or memento.bytes_budget(n); got {memory!r}."
         )
-    if memory < 1:
+    if slots < 1:
         raise ValueError(
-            f"{name}: memory={memory} slots is too small; the smallest budget is 1 slot "
+            f"{name}: memory={slots} slots is too small; the smallest budget is 1 slot "
             "(the initial carry only, recomputing everything else)."
         )
-    return memory
+    return slots
 
 
 def to_slots(memory: int | Bytes, carry_bytes: int, *, name: str) -> int:

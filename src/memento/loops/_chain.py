@@ -479,9 +479,10 @@ def chain(
             and pytree structures may change from layer to layer.
         x: the input ``x_0``, a pytree of arrays.
         memory: what the backward pass may keep, the input ``x_0`` included. ``None``:
-            everything (plain composition). An ``int``: slots, each the size of the
-            largest state the plan may store (the largest of ``x_0 .. x_{n-1}``, in
-            bytes); one slot always suffices. A string such as ``"5MiB"`` or
+            everything (plain composition). An integer (``int`` or NumPy): slots, each
+            the size of the largest state the plan may store (the largest of
+            ``x_0 .. x_{n-1}``, in bytes); one slot always suffices. A budget above what
+            storing everything takes runs the store-everything plan (no larger). A string such as ``"5MiB"`` or
             ``memento.bytes_budget(n)``: bytes, at least the size of ``x_0``. Under
             ``vmap`` sizes are those of one batch member.
         policy: ``"auto"`` or ``"msm"`` (the same: store inputs of layers or their
