@@ -66,7 +66,7 @@ def test_rows_and_counts(s):
 @given(st.integers(1, 30), st.integers(1, 8), st.sampled_from(["hsm", "ism", "msm"]))
 def test_random_plans(t, m, policy):
     kw = {"hsm": {}, "ism": {"alpha": 2}, "msm": {"alpha": 2, "beta": 1}}[policy]
-    s = plan(t, m, policy=policy, **kw)
+    s = plan(t, m + kw.get("alpha", 0), policy=policy, **kw)  # at least one internal state
     assert int(step_evaluations(s).sum()) == s.cost == simulate(s).forward_evaluations
 
 
