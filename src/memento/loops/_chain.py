@@ -27,19 +27,23 @@ transformations become explicit inputs that receive cotangents). The chain is a
 ``jax.custom_vjp`` function of (parameters, x). Its forward rule runs the schedule's first
 sweep (ADVANCE, SAVE_HIDDEN, SAVE_INTERNAL rows, and the forward half of the final
 BACKWARD_FUSED), and returns what the sweep stored as residuals. Its backward rule replays
-the remaining rows in Python, at trace time, so the program is *unrolled*: every
+the remaining rows in Python, at trace time (both rules follow `memento.planning.walk`,
+the row walk `memento.planning.simulate` checks schedules with), so the program is
+*unrolled*: every
 evaluation the plan makes is one copy of the layer in the program, and compile time grows
 with the number of layers and with the plan's cost (unlike `memento.scan`, whose program
 does not grow with its length; use `scan_layers` for long stacks of identical layers).
 A loaded state passes through ``lax.optimization_barrier`` together with the current
-cotangent, and each of its float leaves gets ``+ (c != c)`` for one element ``c`` of that
-cotangent (zero unless it is NaN; no gradient). XLA:CPU expands optimization barriers
-before its last CSE pass, so a barrier alone does not stop it from merging the
-recomputations from one state into one (measured: 10 layer evaluations compiled where the
-plan makes 21); the tie does, on every backend, and it also keeps a recomputation after
-the backward steps that precede it. So the compiled program evaluates every layer as
-often as the plan says, in the plan's order (tested by counting instructions in the
-compiled program).
+cotangent, and each of its leaves through ``select(c == c | c != c, leaf, 0)`` for one
+element ``c`` of that cotangent: a predicate true for every ``c`` (NaN included) that no
+compiler folds, so every value (-0.0, NaN, inf, integers, booleans) and every cotangent
+passes through bit for bit. XLA:CPU expands optimization barriers before its last CSE
+pass, so a barrier alone does not stop it from merging the recomputations from one state
+into one (measured with jax 0.10.2: 10 layer evaluations compiled where the plan makes
+21); the tie does, on every backend, and it also keeps a recomputation after the
+backward steps that precede it. So the compiled program evaluates every layer as often
+as the plan says, in the plan's order (tested by counting instructions in the compiled
+program).
 
 Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (the plan is made for one batch
 member and shared), forward over reverse (``jax.hessian``, ``jvp`` of ``grad``) and, unlike
@@ -55,7 +59,6 @@ Limitations:
   layers being evaluated (the paper's "working state", not charged) and schedules buffers
   its own way, so measured memory follows the budget without equalling it
   (``benchmarks/chain.py`` reports the ratio);
-- a cotangent that is already NaN makes recomputed states NaN too (the tie above);
 - a uniform stack (every layer the same computation on parameters of the same shapes)
   is not turned into a `memento.scan` automatically: scanning needs the parameters
   stacked, and stacking per-layer parameters inside the gradient copies them and their
@@ -80,7 +83,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from ..planning import Op, Schedule, plan_chain
+from ..planning import Op, Schedule, plan_chain, step_evaluations, walk
+from ..planning._schedule import INITIAL
 from ._body import (
     Body,
     Static,
@@ -146,18 +150,7 @@ class ChainPlan:
 
     def evaluations(self) -> np.ndarray:
         """How many times the schedule evaluates each layer (first sweep included)."""
-        return evaluations(self.schedule)
-
-
-def evaluations(schedule: Schedule) -> np.ndarray:
-    """Evaluations of each step by ``schedule``: ADVANCE, SAVE_INTERNAL, BACKWARD_FUSED."""
-    counts = np.zeros(schedule.num_steps, dtype=np.int64)
-    for op, arg, pos in schedule.actions.tolist():
-        if op == Op.ADVANCE:
-            counts[pos : pos + arg] += 1
-        elif op in (Op.SAVE_INTERNAL, Op.BACKWARD_FUSED):
-            counts[pos] += 1
-    return counts
+        return step_evaluations(self.schedule)
 
 
 # -- tracing and measuring --------------------------------------------------------------
@@ -309,52 +302,54 @@ def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
 # -- execution ----------------------------------------------------------------------------
 
 
-def _barrier(state: list, ct: list) -> tuple[list, list]:
-    """``state`` made to depend on the cotangent so far, and that cotangent.
+def _tie(state: list, ct: list) -> tuple[list, list]:
+    """``state`` made to depend on the cotangent so far, bit for bit unchanged; and ``ct``.
 
     A recomputation from a loaded state must be neither merged with another from the
     same state (CSE) nor moved before the backward steps already done. An
-    ``optimization_barrier`` says so, but XLA:CPU expands barriers before its last CSE
-    pass (``cse_barrier_expander``), which then merges the recomputations. So each float
-    leaf also gets ``+ (c != c)``, ``c`` one element of the cotangent: zero unless the
-    cotangent is already NaN, no gradient, and no compiler may fold it away.
+    ``optimization_barrier`` on (state, cotangent) says so, but XLA:CPU expands barriers
+    before its last CSE pass (``cse_barrier_expander``; still so in jax 0.10.2, measured:
+    10 layer evaluations compiled where the plan makes 21), which then merges the
+    recomputations. So each leaf also passes through ``select(c == c | c != c, leaf, 0)``
+    with ``c`` one element of the cotangent: the predicate is true for every value of
+    ``c`` (NaN included) but no compiler folds it (a float compared with itself may be
+    NaN), and a select returns its operand exactly, for every dtype and value (-0.0,
+    NaN, integers, booleans), and passes the leaf's cotangent through unchanged.
     """
-
-    def floats(leaves):
-        return [l for l in leaves if jnp.issubdtype(l.dtype, jnp.inexact) and l.size]
-
-    if not state or not floats(ct):
+    floats = [l for l in ct if jnp.issubdtype(l.dtype, jnp.inexact) and l.size]
+    if not state or not floats:  # nothing to tie to: values are unchanged either way
         return list(state), list(ct)
     state, ct = lax.optimization_barrier((list(state), list(ct)))
-    c = jnp.ravel(floats(ct)[0])[0]
-    tie = lax.ne(c, c)
-    state = [l + tie.astype(l.dtype) if jnp.issubdtype(l.dtype, jnp.inexact) else l for l in state]
-    return state, list(ct)
+    c = jnp.ravel(floats[0])[0]
+    always = lax.bitwise_or(lax.eq(c, c), lax.ne(c, c))
+
+    def tie(leaf):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):  # PRNG keys: no zeros
+            return leaf
+        return lax.select(jnp.broadcast_to(always, leaf.shape), leaf, jnp.zeros_like(leaf))
+
+    return [tie(l) for l in state], list(ct)
 
 
 class _Replay:
-    """The machine that runs schedule rows on traced values (see the module docstring).
+    """Runs a schedule's rows on traced values, as `memento.planning.walk` yields them.
 
-    ``hidden`` and ``internal`` are the slots: hidden slot -> leaves of ``x_pos``;
-    internal slot -> (stored residuals, the input leaves the pullback reads, output
-    leaves). ``working``: the residuals of the step a BACKWARD_FUSED ends the first sweep
-    with, made in the forward pass.
+    The walk checks each row against the rows before it (the working state's position,
+    what each slot holds, the order of backward steps) and says which steps a row
+    evaluates; this machine keeps the values: ``cur``, the working state's leaves;
+    ``hidden``: slot -> leaves of ``x_pos``; ``internal``: slot -> (stored residuals,
+    the input leaves the pullback reads, output leaves); ``working``: the residuals of
+    the step a BACKWARD_FUSED ends the first sweep with, made in the forward pass.
     """
 
     def __init__(self, bodies, specs, consts, x0):
         self.bodies, self.specs, self.consts, self.x0 = bodies, specs, consts, x0
-        self.cur, self.pos = list(x0), 0
+        self.cur = list(x0)
         self.hidden: dict[int, list] = {}
         self.internal: dict[int, tuple] = {}
         self.working: tuple | None = None
         self.ct: list = []
         self.ct_consts: list = [None] * len(bodies)
-
-    def _advance(self, pos: int, k: int) -> None:
-        assert self.pos == pos, (self.pos, pos)  # the schedule's invariant, checked by plan
-        for q in range(pos, pos + k):
-            self.cur = self.bodies[q](self.consts[q], [], self.cur)[1]
-        self.pos = pos + k
 
     def _save(self, p: int) -> tuple:
         """Runs layer p from the working state keeping its residuals; returns the slot."""
@@ -362,7 +357,7 @@ class _Replay:
         _, y, stored = b.save(spec, self.consts[p], [], self.cur)
         needed = {j for kind, j in spec.source if kind == "x"}
         x = [l if j in needed else None for j, l in enumerate(self.cur)]
-        self.cur, self.pos = y, p + 1
+        self.cur = y
         return stored, x, y
 
     def _backward(self, p: int, slot: tuple) -> None:
@@ -373,46 +368,43 @@ class _Replay:
         self.ct_consts[p] = ct_k
         self.ct = list(ct_x)
 
-    def run(self, rows: np.ndarray, *, sweep: bool = False) -> None:
-        """Runs ``rows``. ``sweep``: the first sweep, in the forward pass; it stops at the
-        first backward row, after the forward half of a BACKWARD_FUSED (whose residuals
-        stay in ``working``). Otherwise ``ct`` holds the output's cotangent."""
-        for op, arg, pos in rows.tolist():
+    def run(self, schedule: Schedule, *, sweep: bool) -> None:
+        """Runs the first sweep (``sweep``, in the forward pass: it stops after the
+        forward half of the backward row that ends it, whose residuals a BACKWARD_FUSED
+        keeps in ``working``), or the rows from that backward row on (``ct`` holds the
+        output's cotangent)."""
+        for row in walk(schedule):
+            op, arg, pos = row.op, row.arg, row.pos
+            backward = op in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL)
+            if sweep and backward:
+                if op == Op.BACKWARD_FUSED:
+                    self.working = self._save(pos)
+                return
+            if row.sweep and not sweep and not backward:
+                continue  # run in the forward pass
             if op == Op.ADVANCE:
-                self._advance(pos, arg)
+                for q in row.steps:
+                    self.cur = self.bodies[q](self.consts[q], [], self.cur)[1]
             elif op == Op.SAVE_HIDDEN:
                 self.hidden[arg] = list(self.cur)
             elif op == Op.SAVE_INTERNAL:
                 self.internal[arg] = self._save(pos)
-            elif sweep:
-                if op == Op.BACKWARD_FUSED:
-                    self.working = self._save(pos)
-                if op not in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL):  # plan's invariant
-                    raise AssertionError(f"unexpected row {(op, arg, pos)} in the first sweep")
-                return
             elif op == Op.LOAD_HIDDEN:
-                state = self.x0 if arg == -1 else self.hidden[arg]
-                self.cur, self.ct = _barrier(state, self.ct)
-                self.pos = pos
+                state = self.x0 if arg == INITIAL else self.hidden[arg]
+                self.cur, self.ct = _tie(state, self.ct)
             elif op == Op.LOAD_INTERNAL:
-                self.cur, self.ct = _barrier(self.internal[arg][2], self.ct)
-                self.pos = pos
+                self.cur, self.ct = _tie(self.internal[arg][2], self.ct)
             elif op == Op.BACKWARD_INTERNAL:
                 self._backward(pos, self.internal[arg])
             elif op == Op.BACKWARD_FUSED:
                 if self.working is None:
                     self.working = self._save(pos)
                 self._backward(pos, self.working)
-                self.working, self.cur, self.pos = None, [], None
+                self.working, self.cur = None, []
             elif op == Op.FREE_HIDDEN:
                 del self.hidden[arg]
             elif op == Op.FREE_INTERNAL:
                 del self.internal[arg]
-
-
-def _first_backward(rows: np.ndarray) -> int:
-    back = np.flatnonzero((rows[:, 0] == Op.BACKWARD_FUSED) | (rows[:, 0] == Op.BACKWARD_INTERNAL))
-    return int(back[0])
 
 
 def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
@@ -437,21 +429,19 @@ def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
         specs = [b.residual_spec() for b in restricted]
         consts = [[a.value for a in k] for k in consts]
         x = [a.value for a in x]
-        rows = plan.schedule.actions
-        first = _first_backward(rows)
         m = _Replay(restricted, specs, consts, x)
-        m.run(rows[: first + 1], sweep=True)
+        m.run(plan.schedule, sweep=True)
         out = m.cur
         saved = (consts, x, m.hidden, m.internal, m.working)
-        return out, (saved, Static((restricted, specs, rows[first:])))
+        return out, (saved, Static((restricted, specs, plan.schedule)))
 
     def bwd(res, ct_out):
         (consts, x, hidden, internal, working), static = res
-        restricted, specs, rows = static.value
+        restricted, specs, schedule = static.value
         m = _Replay(restricted, specs, consts, x)
         m.hidden, m.internal, m.working = dict(hidden), dict(internal), working
         m.ct = instantiate(ct_out, restricted[-1].y_avals, restricted[-1].y_mask)
-        m.run(rows)
+        m.run(schedule, sweep=False)
         ct_consts = [
             merge(ct or [], [None] * (len(k) - sum(b.const_mask)), b.const_mask)
             for ct, k, b in zip(m.ct_consts, consts, restricted)
@@ -489,9 +479,10 @@ def chain(
             and pytree structures may change from layer to layer.
         x: the input ``x_0``, a pytree of arrays.
         memory: what the backward pass may keep, the input ``x_0`` included. ``None``:
-            everything (plain composition). An ``int``: slots, each the size of the
-            largest state the plan may store (the largest of ``x_0 .. x_{n-1}``, in
-            bytes); one slot always suffices. A string such as ``"5MiB"`` or
+            everything (plain composition). An integer (``int`` or NumPy): slots, each
+            the size of the largest state the plan may store (the largest of
+            ``x_0 .. x_{n-1}``, in bytes); one slot always suffices. A budget above what
+            storing everything takes runs the store-everything plan (no larger). A string such as ``"5MiB"`` or
             ``memento.bytes_budget(n)``: bytes, at least the size of ``x_0``. Under
             ``vmap`` sizes are those of one batch member.
         policy: ``"auto"`` or ``"msm"`` (the same: store inputs of layers or their

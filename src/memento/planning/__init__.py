@@ -7,7 +7,9 @@ takes. Closed forms: `hsm_cost`, `ism_cost` and their splits. Online checkpointi
 Baselines, flat in this namespace and in ``memento``, each a replayed `Schedule` under
 the same memory model: `store_all` (plain BPTT), `store_none`, `chen_sqrt`,
 `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports any
-schedule's memory saved and predicted time.
+schedule's memory saved and predicted time. Executing a schedule: `walk` yields its rows
+checked and annotated, one row walk shared by `simulate`, `step_evaluations` and the
+executors that run rows one by one (`memento.chain`).
 """
 
 from ._auto import (
@@ -49,9 +51,13 @@ from ._online import (
 )
 from ._schedule import (
     Op as Op,
+    Row as Row,
     Schedule as Schedule,
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
+    Walk as Walk,
     simulate as simulate,
     stack_depths as stack_depths,
+    step_evaluations as step_evaluations,
+    walk as walk,
 )

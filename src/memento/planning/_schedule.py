@@ -49,10 +49,22 @@ import collections
 import dataclasses
 import enum
 import functools
+from collections.abc import Iterator
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
-__all__ = ["Op", "Schedule", "ScheduleError", "SimulationResult", "stack_depths"]
+__all__ = [
+    "Op",
+    "Row",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "Walk",
+    "stack_depths",
+    "step_evaluations",
+    "walk",
+]
 
 
 class Op(enum.IntEnum):
@@ -184,6 +196,190 @@ class Schedule:
         return self.actions[keep]
 
 
+class Row(NamedTuple):
+    """One row of a schedule as `walk` yields it, checked against the rows before it.
+
+    Attributes:
+        index: the row's index in ``Schedule.actions``.
+        op, arg, pos: the row (see the module docstring).
+        steps: the steps the row evaluates forward, in order: ``range(pos, pos + arg)``
+            for ADVANCE, ``range(pos, pos + 1)`` for SAVE_INTERNAL and BACKWARD_FUSED,
+            empty otherwise.
+        sweep: whether the row belongs to the first sweep, which ends with (and
+            includes) the first backward row; an executor runs the sweep in its forward
+            pass and the rest, from that backward row on, in its backward pass.
+    """
+
+    index: int
+    op: Op
+    arg: int
+    pos: int
+    steps: range
+    sweep: bool
+
+
+_NO_STEPS = range(0)
+_OPS = tuple(Op)  # Op(op) by index: faster than the enum's lookup, per row
+
+
+class Walk:
+    """A replay of a schedule's rows, in order, that checks each against those before it.
+
+    Iterating yields every row as a `Row` once it is checked and applied; meanwhile the
+    walk's state is readable: ``cur`` (position of the working state, ``None`` after a
+    backward step), ``hidden`` (slot -> position it holds), ``internal`` (slot -> step
+    it holds), `holds` and, at the end, ``sweep_length``. Executors follow the rows and
+    keep their own values per slot; `simulate` adds the memory model; `step_evaluations`
+    counts. Pure Python over NumPy rows, no tracing: one walk serves every executor.
+
+    Checks: every step is back-propagated exactly once, in reverse order (t-1 first),
+    from a state restored or computed before it; every load reads a live slot that holds
+    what the row claims; no live slot is overwritten; the rows start with a first sweep.
+    Memory is not checked here (`simulate` does).
+
+    Raises (while iterating):
+        ScheduleError: on the first broken rule, naming the row and ``name``.
+    """
+
+    def __init__(self, schedule: Schedule, *, name: str = "memento.planning.walk"):
+        self.schedule = schedule
+        self.name = name
+        self.cur: int | None = 0
+        self.hidden: dict[int, int] = {}
+        self.internal: dict[int, int] = {}
+        self.sweep_length: int | None = None
+        # Positions held right now, counted so that `holds` is O(1): h_p in a hidden
+        # slot, or h_p as the output of an internal slot holding step p-1.
+        self._held: collections.Counter[int] = collections.Counter()
+
+    def holds(self, pos: int) -> bool:
+        """Whether ``h_pos`` is held right now (``h_0`` always is)."""
+        return pos == 0 or self._held[pos] > 0
+
+    def fail(self, i: int, msg: str) -> NoReturn:
+        row = tuple(int(v) for v in self.schedule.actions[i])
+        raise ScheduleError(f"{self.name}: row {i} {row}: {msg}")
+
+    def __iter__(self) -> Iterator[Row]:
+        t = self.schedule.num_steps
+        hidden, internal, held, fail = self.hidden, self.internal, self._held, self.fail
+        expect = t - 1  # next step to back-propagate
+        sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
+        for i, (op, arg, pos) in enumerate(self.schedule.actions.tolist()):
+            cur = self.cur
+            in_sweep = self.sweep_length is None
+            steps = _NO_STEPS
+            if op == _ADV:
+                # Advancing to h_t is never needed: the last step is always fused or saved.
+                if arg < 1 or cur != pos or pos + arg > t - 1:
+                    fail(i, f"cannot advance {arg} from position {pos} (current {cur}, t={t})")
+                steps = range(pos, pos + arg)
+                cur = pos + arg
+            elif op == _SAVE_H:
+                if cur != pos or arg in hidden or arg < 0:
+                    fail(i, f"cannot save h_{pos} in hidden slot {arg} (current {cur})")
+                hidden[arg] = pos
+                held[pos] += 1
+            elif op == _SAVE_I:
+                if cur != pos or arg in internal or arg < 0 or pos >= t:
+                    fail(i, f"cannot save step {pos} in internal slot {arg} (current {cur})")
+                internal[arg] = pos
+                held[pos + 1] += 1
+                steps = range(pos, pos + 1)
+                cur = pos + 1
+            elif op == _LOAD_H:
+                if not ((arg == INITIAL and pos == 0) or hidden.get(arg) == pos):
+                    fail(i, f"hidden slot {arg} does not hold h_{pos}")
+                cur = pos
+            elif op == _LOAD_I:
+                if internal.get(arg) != pos - 1:
+                    fail(i, f"internal slot {arg} does not hold step {pos - 1}")
+                cur = pos
+            elif op == _BACK_I:
+                if internal.get(arg) != pos or pos != expect:
+                    fail(
+                        i,
+                        f"cannot back-propagate step {pos} from internal slot {arg}; "
+                        f"expected step {expect}",
+                    )
+                expect -= 1
+                cur = None
+            elif op == _FUSED:
+                if cur != pos or pos != expect:
+                    fail(
+                        i,
+                        f"cannot back-propagate step {pos} fused (current {cur}, "
+                        f"expected step {expect})",
+                    )
+                expect -= 1
+                steps = range(pos, pos + 1)
+                cur = None
+            elif op == _FREE_H:
+                if hidden.get(arg) != pos:
+                    fail(i, f"hidden slot {arg} does not hold h_{pos}")
+                del hidden[arg]
+                held[pos] -= 1
+            elif op == _FREE_I:
+                if internal.get(arg) != pos:
+                    fail(i, f"internal slot {arg} does not hold step {pos}")
+                del internal[arg]
+                held[pos + 1] -= 1
+            else:
+                fail(i, f"unknown op {op}")
+            self.cur = cur
+            if in_sweep:
+                if op in (_ADV, _SAVE_I):
+                    if pos != sweep_pos:
+                        fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
+                    sweep_pos = cur
+                elif op == _FUSED:
+                    if pos != t - 1 or sweep_pos != t - 1:
+                        fail(i, "the first sweep must end at step t-1")
+                    self.sweep_length = i
+                elif op == _BACK_I:
+                    if sweep_pos != t:
+                        fail(i, "the first sweep must end at step t-1")
+                    self.sweep_length = i
+                elif op not in (_SAVE_H, _FREE_H, _FREE_I):
+                    fail(i, "only ADVANCE and SAVE rows may come before the first backward")
+            yield Row(i, _OPS[op], arg, pos, steps, in_sweep)
+        if expect != -1:
+            raise ScheduleError(f"{self.name}: steps 0..{expect} were never back-propagated")
+
+
+def walk(schedule: Schedule) -> Walk:
+    """The rows of ``schedule`` in order, each checked and annotated (see `Walk`).
+
+    The one row walk that `simulate`, `step_evaluations` and `memento.chain` share, for
+    any executor that runs a schedule's rows one by one::
+
+        for row in memento.planning.walk(schedule):
+            if row.op == Op.ADVANCE:
+                for p in row.steps: ...  # evaluate step p
+
+    Raises (while iterating):
+        ScheduleError: the first row that breaks a rule of the replay (see `Walk`).
+    """
+    return Walk(schedule)
+
+
+def step_evaluations(schedule: Schedule) -> np.ndarray:
+    """How many times ``schedule`` evaluates each step forward, first sweep included.
+
+    ADVANCE, SAVE_INTERNAL and BACKWARD_FUSED rows evaluate steps (`Row.steps`); the
+    total is the schedule's cost when every step costs 1, and ``forward_costs`` weighs
+    it otherwise. Returns an int64 array of length ``num_steps``.
+
+    Raises:
+        ScheduleError: a schedule that breaks a rule of the replay (see `Walk`).
+    """
+    counts = np.zeros(schedule.num_steps, dtype=np.int64)
+    for row in walk(schedule):
+        if row.steps:
+            counts[row.steps.start : row.steps.stop] += 1
+    return counts
+
+
 def _hidden_size(s: Schedule, pos: int) -> int:
     return 1 if s.hidden_sizes is None else s.hidden_sizes[pos]
 
@@ -194,7 +390,9 @@ def simulate(s: Schedule) -> SimulationResult:
     Checks: every step is back-propagated exactly once, in reverse order (t-1 first), each
     from a state that the replay itself restored or computed; every load reads a live slot
     that holds what the row claims; no live slot is overwritten; the schedule starts with
-    a first sweep (see the module docstring); slots in use never exceed ``s.memory``.
+    a first sweep (see the module docstring) (all of these by `walk`); slots in use never
+    exceed ``s.memory``, and no state is freed while an internal state stored without its
+    input relies on it.
 
     Returns:
         The counted forward evaluations and memory (`SimulationResult`).
@@ -202,10 +400,7 @@ def simulate(s: Schedule) -> SimulationResult:
     Raises:
         ScheduleError: on the first broken rule, naming the row.
     """
-    t = s.num_steps
-    cur: int | None = 0  # position of the working state; None when there is none
-    hidden: dict[int, int] = {}  # slot -> position
-    internal: dict[int, tuple[int, int]] = {}  # slot -> (step, size)
+    w = Walk(s, name="memento.simulate")
     used = (
         s.hidden_sizes[0]
         if (s.hidden_sizes is not None and s.counts_initial)
@@ -214,21 +409,7 @@ def simulate(s: Schedule) -> SimulationResult:
     peak = used
     peak_h = peak_i = 0
     evals = 0
-    expect = t - 1  # next step to back-propagate
-    sweep_end: int | None = None
-    sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
-
-    def fail(i: int, msg: str):
-        raise ScheduleError(
-            f"memento.simulate: row {i} {tuple(int(v) for v in s.actions[i])}: {msg}"
-        )
-
-    # Positions held right now, counted so that each check is O(1): h_p in a hidden slot,
-    # or h_{p} as the output of an internal slot holding step p-1.
-    held: collections.Counter[int] = collections.Counter()
-
-    def is_held(pos: int) -> bool:
-        return pos == 0 or held[pos] > 0
+    sizes: dict[int, int] = {}  # internal slot -> the size it was stored at
 
     # An internal state stored at the reduced size relies on the state that holds its input;
     # freeing that state first would lose the input (section 3.4). slot -> input position.
@@ -236,13 +417,13 @@ def simulate(s: Schedule) -> SimulationResult:
     relied_on: collections.Counter[int] = collections.Counter()
 
     def check_released(i: int, pos: int) -> None:
-        if relied_on[pos] and not is_held(pos):
+        if relied_on[pos] and not w.holds(pos):
             slot = next(k for k, v in relies.items() if v == pos)
-            fail(i, f"frees h_{pos}, the input of internal slot {slot} stored without it")
+            w.fail(i, f"frees h_{pos}, the input of internal slot {slot} stored without it")
 
     def internal_size(pos: int) -> int:
         # beta when the input state h_pos is held at this moment (section 3.4).
-        held = is_held(pos)
+        held = w.holds(pos)
         if s.internal_sizes is not None:
             full = s.internal_sizes[pos]
             return full - _hidden_size(s, pos) if held else full
@@ -251,109 +432,40 @@ def simulate(s: Schedule) -> SimulationResult:
     def internal_size_full(pos: int) -> int:
         return s.internal_sizes[pos] if s.internal_sizes is not None else s.alpha
 
-    for i, (op, arg, pos) in enumerate(s.actions.tolist()):
-        in_sweep = sweep_end is None
-        if op == Op.ADVANCE:
-            # Advancing to h_t is never needed: the last step is always fused or saved.
-            if arg < 1 or cur != pos or pos + arg > t - 1:
-                fail(i, f"cannot advance {arg} from position {pos} (current {cur}, t={t})")
-            cur = pos + arg
+    for i, op, arg, pos, steps, _ in w:
+        if steps:
             if s.forward_costs is None:
-                evals += arg
+                evals += len(steps)
             else:
-                evals += sum(s.forward_costs[pos : pos + arg])
-        elif op == Op.SAVE_HIDDEN:
-            if cur != pos or arg in hidden or arg < 0:
-                fail(i, f"cannot save h_{pos} in hidden slot {arg} (current {cur})")
-            hidden[arg] = pos
-            held[pos] += 1
+                evals += sum(s.forward_costs[steps.start : steps.stop])
+        if op == _SAVE_H:
             used += _hidden_size(s, pos)
-            peak_h = max(peak_h, len(hidden))
-        elif op == Op.SAVE_INTERNAL:
-            if cur != pos or arg in internal or arg < 0 or pos >= t:
-                fail(i, f"cannot save step {pos} in internal slot {arg} (current {cur})")
-            size = internal_size(pos)
+            peak_h = max(peak_h, len(w.hidden))
+        elif op == _SAVE_I:
+            size = sizes[arg] = internal_size(pos)
             if size < internal_size_full(pos):
                 relies[arg] = pos
                 relied_on[pos] += 1
-            internal[arg] = (pos, size)
-            held[pos + 1] += 1
             used += size
-            peak_i = max(peak_i, len(internal))
-            cur = pos + 1
-            evals += 1 if s.forward_costs is None else s.forward_costs[pos]
-        elif op == Op.LOAD_HIDDEN:
-            ok = (arg == INITIAL and pos == 0) or hidden.get(arg) == pos
-            if not ok:
-                fail(i, f"hidden slot {arg} does not hold h_{pos}")
-            cur = pos
-        elif op == Op.LOAD_INTERNAL:
-            if arg not in internal or internal[arg][0] != pos - 1:
-                fail(i, f"internal slot {arg} does not hold step {pos - 1}")
-            cur = pos
-        elif op == Op.BACKWARD_INTERNAL:
-            if arg not in internal or internal[arg][0] != pos or pos != expect:
-                fail(
-                    i,
-                    f"cannot back-propagate step {pos} from internal slot {arg}; "
-                    f"expected step {expect}",
-                )
-            expect -= 1
-            cur = None
-        elif op == Op.BACKWARD_FUSED:
-            if cur != pos or pos != expect:
-                fail(
-                    i,
-                    f"cannot back-propagate step {pos} fused (current {cur}, "
-                    f"expected step {expect})",
-                )
-            expect -= 1
-            cur = None
-            evals += 1 if s.forward_costs is None else s.forward_costs[pos]
-        elif op == Op.FREE_HIDDEN:
-            if hidden.get(arg) != pos:
-                fail(i, f"hidden slot {arg} does not hold h_{pos}")
-            del hidden[arg]
-            held[pos] -= 1
+            peak_i = max(peak_i, len(w.internal))
+        elif op == _FREE_H:
             used -= _hidden_size(s, pos)
             check_released(i, pos)
-        elif op == Op.FREE_INTERNAL:
-            if arg not in internal or internal[arg][0] != pos:
-                fail(i, f"internal slot {arg} does not hold step {pos}")
-            used -= internal.pop(arg)[1]
-            held[pos + 1] -= 1
+        elif op == _FREE_I:
+            used -= sizes.pop(arg)
             if arg in relies:
                 relied_on[relies.pop(arg)] -= 1
             check_released(i, pos + 1)
-        else:
-            fail(i, f"unknown op {op}")
-        if in_sweep:
-            if op in (Op.ADVANCE, Op.SAVE_INTERNAL):
-                if pos != sweep_pos:
-                    fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
-                sweep_pos = cur if cur is not None else sweep_pos
-            elif op == Op.BACKWARD_FUSED:
-                if pos != t - 1 or sweep_pos != t - 1:
-                    fail(i, "the first sweep must end at step t-1")
-                sweep_end = i
-            elif op == Op.BACKWARD_INTERNAL:
-                if sweep_pos != t:
-                    fail(i, "the first sweep must end at step t-1")
-                sweep_end = i
-            elif op not in (Op.SAVE_HIDDEN, Op.FREE_HIDDEN, Op.FREE_INTERNAL):
-                fail(i, "only ADVANCE and SAVE rows may come before the first backward")
         peak = max(peak, used)
         if used > s.memory:
-            fail(i, f"{used} slots in use, over the budget of {s.memory}")
-    if expect != -1:
-        raise ScheduleError(f"memento.simulate: steps 0..{expect} were never back-propagated")
-    assert sweep_end is not None
+            w.fail(i, f"{used} slots in use, over the budget of {s.memory}")
+    assert w.sweep_length is not None
     return SimulationResult(
         forward_evaluations=evals,
         peak_memory=peak,
         peak_hidden_slots=peak_h,
         peak_internal_slots=peak_i,
-        sweep_length=sweep_end,
+        sweep_length=w.sweep_length,
     )
 
 
