@@ -28,6 +28,25 @@ FREE_HIDDEN    release hidden slot ``arg`` (holding ``h_pos``).
 FREE_INTERNAL  release internal slot ``arg`` (holding step ``pos``).
 ============== ===================================================================
 
+Two-level plans (`memento.plan` with ``host_memory=``) also use host slots, numbered
+apart from the device's, with these rows (the cost model is in ``_host.py``):
+
+====================== ===========================================================
+HOST_SAVE_HIDDEN       copy ``h_pos`` (``cur == pos``) to host hidden slot ``arg``.
+HOST_SAVE_INTERNAL     run step ``pos`` keeping its residuals and copy the internal
+                       state to host internal slot ``arg``; then ``cur = pos + 1``.
+HOST_LOAD_HIDDEN       ``cur = pos`` copied back from host hidden slot ``arg``.
+HOST_LOAD_INTERNAL     ``cur = pos`` copied back from the output state of host
+                       internal slot ``arg`` (holding step ``pos - 1``).
+HOST_BACKWARD_INTERNAL copy host internal slot ``arg`` back and back-propagate step
+                       ``pos`` from it.
+HOST_FREE_HIDDEN,      release a host slot.
+HOST_FREE_INTERNAL
+====================== ===========================================================
+
+No executor runs these rows yet: `stack_depths`, which every executor lays out its
+slots from, refuses them.
+
 Every forward evaluation of the body is one of: a step of ADVANCE, a SAVE_INTERNAL, or
 a BACKWARD_FUSED. Their total is the schedule's cost, the paper's C(t, m).
 
@@ -67,6 +86,13 @@ class Op(enum.IntEnum):
     BACKWARD_FUSED = 6
     FREE_HIDDEN = 7
     FREE_INTERNAL = 8
+    HOST_SAVE_HIDDEN = 9
+    HOST_SAVE_INTERNAL = 10
+    HOST_LOAD_HIDDEN = 11
+    HOST_LOAD_INTERNAL = 12
+    HOST_BACKWARD_INTERNAL = 13
+    HOST_FREE_HIDDEN = 14
+    HOST_FREE_INTERNAL = 15
 
 
 # Opcodes as plain ints, for the planners' emitters (their inner loops are hot).
@@ -79,6 +105,14 @@ _BACK_I = int(Op.BACKWARD_INTERNAL)
 _FUSED = int(Op.BACKWARD_FUSED)
 _FREE_H = int(Op.FREE_HIDDEN)
 _FREE_I = int(Op.FREE_INTERNAL)
+_HOST_SAVE_H = int(Op.HOST_SAVE_HIDDEN)
+_HOST_SAVE_I = int(Op.HOST_SAVE_INTERNAL)
+_HOST_LOAD_H = int(Op.HOST_LOAD_HIDDEN)
+_HOST_LOAD_I = int(Op.HOST_LOAD_INTERNAL)
+_HOST_BACK_I = int(Op.HOST_BACKWARD_INTERNAL)
+_HOST_FREE_H = int(Op.HOST_FREE_HIDDEN)
+_HOST_FREE_I = int(Op.HOST_FREE_INTERNAL)
+_FIRST_HOST_OP = _HOST_SAVE_H  # every op from here on is a host op
 
 
 INITIAL = -1  # the hidden "slot" of h_0, always held by the caller
@@ -98,6 +132,11 @@ class SimulationResult:
         peak_hidden_slots: most hidden slots (excluding h_0) live at once.
         peak_internal_slots: most internal slots live at once.
         sweep_length: number of rows of the first sweep (the forward-pass prefix).
+        peak_host_memory: most host slots in use at once (two-level plans).
+        host_stores, host_loads: rows that copy a state to the host / back (a backward
+            step from a host internal state is a load).
+        transfer_time: what the transfers add under the schedule's cost model
+            (``_host.py``: the part of each copy that compute does not hide).
     """
 
     forward_evaluations: int
@@ -105,6 +144,15 @@ class SimulationResult:
     peak_hidden_slots: int
     peak_internal_slots: int
     sweep_length: int
+    peak_host_memory: int = 0
+    host_stores: int = 0
+    host_loads: int = 0
+    transfer_time: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """Forward evaluations plus transfer time: a two-level plan's ``cost``."""
+        return self.forward_evaluations + self.transfer_time
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,7 +163,8 @@ class Schedule:
         num_steps: the sequence length, the paper's t.
         memory: the budget in slots, the paper's m.
         policy: ``"hsm"``, ``"ism"``, ``"msm"``, ``"chain"`` or a baseline's name.
-        cost: forward evaluations of the plan (first sweep included), the paper's C(t, m).
+        cost: forward evaluations of the plan (first sweep included), the paper's C(t, m);
+            for a two-level plan, plus the transfer time of its model (a float).
         actions: ``(n, 3)`` integer array of rows ``(op, arg, pos)``: int32 as the planner
             emits them (half the memory at millions of rows), else int64.
         alpha: slots taken by an internal state.
@@ -123,12 +172,17 @@ class Schedule:
         counts_initial: whether ``h_0`` takes a slot of ``memory``.
         hidden_sizes, internal_sizes: per-position sizes for heterogeneous chains
             (``None`` for uniform loops); override ``1``/``alpha``/``beta``.
+        host_memory: host slots of a two-level plan (``math.inf``: unbounded; 0: none).
+        transfer_cost: ``(write, read)``: forward-step units to copy one slot to the host
+            and back.
+        overlap: ``"step"`` (a transfer hides behind one step of compute) or ``"none"``
+            (transfers add in full); see `memento.plan`.
     """
 
     num_steps: int
     memory: int
     policy: str
-    cost: int
+    cost: float
     actions: np.ndarray
     alpha: int = 1
     beta: int = 1
@@ -139,6 +193,9 @@ class Schedule:
     # Set by the planner, which counts it from the rows without a replay (`count_peak`);
     # ``None``: `peak_memory` replays the schedule.
     planned_peak: int | None = dataclasses.field(default=None, repr=False)
+    host_memory: float = 0
+    transfer_cost: tuple[float, float] = (0.0, 0.0)
+    overlap: str = "step"
 
     def __post_init__(self):
         actions = np.asarray(self.actions)
@@ -148,10 +205,16 @@ class Schedule:
         object.__setattr__(self, "actions", actions)
 
     def __repr__(self) -> str:
+        host = ""
+        if self.host_memory:
+            host = (
+                f"host_memory={self.host_memory}, transfer_cost={self.transfer_cost}, "
+                f"overlap={self.overlap!r}, "
+            )
         return (
             f"Schedule(policy={self.policy!r}, num_steps={self.num_steps}, "
-            f"memory={self.memory}, cost={self.cost}, peak_memory={self.peak_memory}, "
-            f"actions={len(self.actions)})"
+            f"memory={self.memory}, {host}cost={self.cost}, "
+            f"peak_memory={self.peak_memory}, actions={len(self.actions)})"
         )
 
     @property
@@ -180,8 +243,7 @@ class Schedule:
 
     def executable(self) -> np.ndarray:
         """The rows an executor runs: the schedule without FREE rows."""
-        keep = (self.actions[:, 0] != Op.FREE_HIDDEN) & (self.actions[:, 0] != Op.FREE_INTERNAL)
-        return self.actions[keep]
+        return self.actions[~_IS_ANY_FREE[self.actions[:, 0]]]
 
 
 def _hidden_size(s: Schedule, pos: int) -> int:
@@ -195,6 +257,9 @@ def simulate(s: Schedule) -> SimulationResult:
     from a state that the replay itself restored or computed; every load reads a live slot
     that holds what the row claims; no live slot is overwritten; the schedule starts with
     a first sweep (see the module docstring); slots in use never exceed ``s.memory``.
+    Two-level schedules: host slots are checked the same way against ``s.host_memory``,
+    and each copy to or from the host is charged per the schedule's cost model
+    (``transfer_time``; `memento.plan` states the model).
 
     Returns:
         The counted forward evaluations and memory (`SimulationResult`).
@@ -215,6 +280,14 @@ def simulate(s: Schedule) -> SimulationResult:
     peak_h = peak_i = 0
     evals = 0
     expect = t - 1  # next step to back-propagate
+    # The second level: host slot -> position (hidden) or step (internal).
+    host_hidden: dict[int, int] = {}
+    host_internal: dict[int, int] = {}
+    host_used = host_peak = 0
+    alpha_full = s.alpha
+    # Transfers by kind: stores of hidden / internal states, loads of a hidden state (or of
+    # an internal state's output), copies back of an internal state for its backward step.
+    n_sh = n_si = n_lh = n_li = 0
     sweep_end: int | None = None
     sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
 
@@ -325,10 +398,54 @@ def simulate(s: Schedule) -> SimulationResult:
             if arg in relies:
                 relied_on[relies.pop(arg)] -= 1
             check_released(i, pos + 1)
+        elif op == Op.HOST_SAVE_HIDDEN:
+            if cur != pos or arg in host_hidden or arg < 0:
+                fail(i, f"cannot copy h_{pos} to host hidden slot {arg} (current {cur})")
+            host_hidden[arg] = pos
+            host_used += 1
+            n_sh += 1
+        elif op == Op.HOST_SAVE_INTERNAL:
+            if cur != pos or arg in host_internal or arg < 0 or pos >= t:
+                fail(i, f"cannot save step {pos} in host internal slot {arg} (current {cur})")
+            host_internal[arg] = pos
+            host_used += alpha_full
+            n_si += 1
+            cur = pos + 1
+            evals += 1 if s.forward_costs is None else s.forward_costs[pos]
+        elif op == Op.HOST_LOAD_HIDDEN:
+            if host_hidden.get(arg) != pos:
+                fail(i, f"host hidden slot {arg} does not hold h_{pos}")
+            cur = pos
+            n_lh += 1
+        elif op == Op.HOST_LOAD_INTERNAL:
+            if host_internal.get(arg, -2) != pos - 1:
+                fail(i, f"host internal slot {arg} does not hold step {pos - 1}")
+            cur = pos
+            n_lh += 1
+        elif op == Op.HOST_BACKWARD_INTERNAL:
+            if host_internal.get(arg, -2) != pos or pos != expect:
+                fail(
+                    i,
+                    f"cannot back-propagate step {pos} from host internal slot {arg}; "
+                    f"expected step {expect}",
+                )
+            expect -= 1
+            cur = None
+            n_li += 1
+        elif op == Op.HOST_FREE_HIDDEN:
+            if host_hidden.get(arg) != pos:
+                fail(i, f"host hidden slot {arg} does not hold h_{pos}")
+            del host_hidden[arg]
+            host_used -= 1
+        elif op == Op.HOST_FREE_INTERNAL:
+            if host_internal.get(arg, -2) != pos:
+                fail(i, f"host internal slot {arg} does not hold step {pos}")
+            del host_internal[arg]
+            host_used -= alpha_full
         else:
             fail(i, f"unknown op {op}")
         if in_sweep:
-            if op in (Op.ADVANCE, Op.SAVE_INTERNAL):
+            if op in (Op.ADVANCE, Op.SAVE_INTERNAL, Op.HOST_SAVE_INTERNAL):
                 if pos != sweep_pos:
                     fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
                 sweep_pos = cur if cur is not None else sweep_pos
@@ -336,25 +453,70 @@ def simulate(s: Schedule) -> SimulationResult:
                 if pos != t - 1 or sweep_pos != t - 1:
                     fail(i, "the first sweep must end at step t-1")
                 sweep_end = i
-            elif op == Op.BACKWARD_INTERNAL:
+            elif op in (Op.BACKWARD_INTERNAL, Op.HOST_BACKWARD_INTERNAL):
                 if sweep_pos != t:
                     fail(i, "the first sweep must end at step t-1")
                 sweep_end = i
-            elif op not in (Op.SAVE_HIDDEN, Op.FREE_HIDDEN, Op.FREE_INTERNAL):
+            elif op not in _SWEEP_OTHERS:
                 fail(i, "only ADVANCE and SAVE rows may come before the first backward")
         peak = max(peak, used)
         if used > s.memory:
             fail(i, f"{used} slots in use, over the budget of {s.memory}")
+        if host_used > host_peak:
+            host_peak = host_used
+            if host_used > s.host_memory:
+                fail(i, f"{host_used} host slots in use, over the host budget of {s.host_memory}")
     if expect != -1:
         raise ScheduleError(f"memento.simulate: steps 0..{expect} were never back-propagated")
     assert sweep_end is not None
+    charges = transfer_charges(s)
     return SimulationResult(
         forward_evaluations=evals,
         peak_memory=peak,
         peak_hidden_slots=peak_h,
         peak_internal_slots=peak_i,
         sweep_length=sweep_end,
+        peak_host_memory=host_peak,
+        host_stores=n_sh + n_si,
+        host_loads=n_lh + n_li,
+        transfer_time=transfer_time(charges, (n_sh, n_lh, n_si, n_li)),
     )
+
+
+_SWEEP_OTHERS = (
+    Op.SAVE_HIDDEN,
+    Op.FREE_HIDDEN,
+    Op.FREE_INTERNAL,
+    Op.HOST_SAVE_HIDDEN,
+    Op.HOST_FREE_HIDDEN,
+    Op.HOST_FREE_INTERNAL,
+)
+
+
+def transfer_charges(s: Schedule) -> tuple[float, float, float, float]:
+    """What one transfer adds to the cost, by kind: ``(store hidden, load hidden, store
+    internal, load internal)``; the model is `memento.plan`'s (``_host.py``): a copy of
+    ``k`` slots takes ``k`` times the per-slot cost, less one step of compute that hides
+    it under ``overlap="step"``, never below 0."""
+    return charges_of(*s.transfer_cost, s.alpha, s.overlap)
+
+
+def charges_of(
+    write: float, read: float, alpha: int, overlap: str
+) -> tuple[float, float, float, float]:
+    """`transfer_charges` from the per-slot costs, internal-state size and overlap."""
+    hidden = 1.0 if overlap == "step" else 0.0
+
+    def charge(x: float) -> float:
+        return max(0.0, float(x) - hidden)
+
+    return charge(write), charge(read), charge(alpha * write), charge(alpha * read)
+
+
+def transfer_time(charges, counts) -> float:
+    """The transfer time of ``counts`` transfers by kind (`transfer_charges`' order),
+    summed in one fixed order so that planner and replay agree to the last bit."""
+    return float(sum(c * n for c, n in zip(charges, counts, strict=True) if n))
 
 
 # ---------------------------------------------------------------------------------------
@@ -371,6 +533,7 @@ def _lut(*ops) -> np.ndarray:
 
 _IS_SAVE = _lut(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL)
 _IS_FREE = _lut(Op.FREE_HIDDEN, Op.FREE_INTERNAL)
+_IS_ANY_FREE = _lut(Op.FREE_HIDDEN, Op.FREE_INTERNAL, Op.HOST_FREE_HIDDEN, Op.HOST_FREE_INTERNAL)
 _HIDDEN_OPS = _lut(Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.FREE_HIDDEN)
 _INTERNAL_OPS = _lut(Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL, Op.FREE_INTERNAL)
 
@@ -470,6 +633,14 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ScheduleError: a release out of stack order, or a slot used before it was saved.
     """
     actions = np.asarray(actions).reshape(-1, 3)
+    if len(actions) and int(actions[:, 0].max()) >= _FIRST_HOST_OP:
+        row = int(np.argmax(actions[:, 0] >= _FIRST_HOST_OP))
+        raise NotImplementedError(
+            f"memento.planning.stack_depths: row {row} "
+            f"{tuple(int(v) for v in actions[row])} is a host-memory row "
+            f"({Op(int(actions[row, 0])).name}); no executor runs two-level schedules yet "
+            "(memento.scan(host_memory=) is pending): plan with host_memory=None to run it"
+        )
     nh, ni, bad = _depths(actions)
     if bad >= 0:
         raise ScheduleError(
