@@ -354,7 +354,7 @@ def check_host(fn: str, policy: str, host_memory, transfer_cost, overlap):
                 f"{fn}: transfer_cost must be finite and >= 0 forward-step units, got "
                 f"{transfer_cost!r}"
             )
-    if policy not in ("hsm", "msm"):
+    if host and policy not in ("hsm", "msm"):
         raise NotImplementedError(
             f"{fn}: host_memory= plans policy='hsm' or 'msm' (hidden and internal states "
             f"on both levels), got policy={policy!r}; pass policy='hsm', or 'msm' with alpha"
