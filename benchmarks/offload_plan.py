@@ -32,7 +32,7 @@ from memento.planning import _host, hsm_cost
 RESULTS = pathlib.Path(__file__).parent / "results" / "offload_plan.json"
 
 
-def device_only(t: int, m: int, policy: str, alpha: int) -> int:
+def device_only(t: int, m: int, policy: str, alpha: int) -> float:
     if policy == "hsm":
         return hsm_cost(t, m)
     return memento.plan(t, m, policy="msm", alpha=alpha).cost
@@ -72,7 +72,7 @@ def sweep(t, budgets, host, costs, policy="hsm", alpha=1, replay=()):
                 s = memento.plan(
                     t,
                     m,
-                    policy=policy,
+                    policy="hsm" if policy == "hsm" else "msm",
                     alpha=None if policy == "hsm" else alpha,
                     host_memory=host,
                     transfer_cost=c,
@@ -99,7 +99,7 @@ def sweep(t, budgets, host, costs, policy="hsm", alpha=1, replay=()):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="t = 1,000 only, fewer costs")
     args = parser.parse_args()
     costs = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0]

@@ -323,6 +323,7 @@ def test_plan_two_level_json(capsys):
             ["--host-memory", "4", "--transfer-cost", "1", "--policy", "ism"],
             "policy='hsm' or 'msm'",
         ),
+        (["--host-memory", "4", "--transfer-cost", "1", "--plot", "x.png"], "--plot draws"),
     ],
 )
 def test_plan_two_level_bad_values(capsys, argv, message):

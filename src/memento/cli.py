@@ -132,7 +132,7 @@ def _describe(schedule) -> str:
     return f"a slot holds one hidden state; {internal}; {h0}"
 
 
-def _host_args(args) -> dict:
+def _host_args(args) -> dict[str, typing.Any]:
     """``--host-memory``, ``--transfer-cost``, ``--overlap`` as `plan`'s keywords."""
     if args.host_memory is None:
         if args.transfer_cost is not None or args.overlap != "step":
@@ -167,7 +167,7 @@ def _plan_two_level(args, host: dict) -> int:
     policy = args.policy
     if policy == "auto":  # two levels plan HSM or MSM: MSM where internal states are sized
         policy = "hsm" if args.alpha is None else "msm"
-    kwargs = dict(policy=policy, alpha=args.alpha, beta=args.beta)
+    kwargs: dict = dict(policy=policy, alpha=args.alpha, beta=args.beta)
     start = time.perf_counter()
     schedule = plan(args.steps, slots, **kwargs, **host)
     seconds = time.perf_counter() - start
@@ -214,7 +214,7 @@ def _plan_two_level(args, host: dict) -> int:
         f" + {replay.transfer_time:.10g} transfer stall"
     )
     print(
-        f"  device only     {_plural(device.cost, 'forward step')} in the same device slots"
+        f"  device only     {_plural(int(device.cost), 'forward step')} in the same device slots"
         f" ({device.cost / schedule.cost:.3f}x the two-level cost)"
     )
     print(f"  device peak     {_plural(replay.peak_memory, 'slot')}")
@@ -233,6 +233,8 @@ def _plan(args) -> int:
 
     host = _host_args(args)
     if host:
+        if args.plot:
+            raise ValueError("--plot draws one-level schedules; drop --plot or --host-memory")
         return _plan_two_level(args, host)
     if args.steps > 20_000:
         _progress(f"memento plan: planning {args.steps} steps ...")

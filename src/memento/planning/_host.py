@@ -326,7 +326,7 @@ def check_host(fn: str, policy: str, host_memory, transfer_cost, overlap):
         )
     if host_memory < 0:
         raise ValueError(f"{fn}: host_memory must be >= 0 slots, got {host_memory}")
-    host = math.inf if host_memory == math.inf else int(host_memory)
+    host = int(host_memory) if isinstance(host_memory, numbers.Integral) else math.inf
     if overlap not in ("step", "none"):
         raise ValueError(
             f"{fn}: overlap must be 'step' (a transfer hides behind one step of compute) "
@@ -350,7 +350,7 @@ def check_host(fn: str, policy: str, host_memory, transfer_cost, overlap):
             raise TypeError(
                 f"{fn}: transfer_cost must be numbers of forward-step units, got {transfer_cost!r}"
             )
-        if not (math.isfinite(v) and v >= 0):
+        if not (math.isfinite(v) and float(v) >= 0):
             raise ValueError(
                 f"{fn}: transfer_cost must be finite and >= 0 forward-step units, got "
                 f"{transfer_cost!r}"
