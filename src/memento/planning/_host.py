@@ -174,12 +174,15 @@ def host_tables(
         if dk > D or (bounded and dh >= nh):
             return None
         dh = dh if bounded else 0
-        s = left[:, dk:, dh:] + right[:, : D + 1 - dk, : nh - dh]
-        if extra:
-            s += extra
+        # One preallocated buffer (no page faults per row); extra is added after the min.
+        n = len(left)
+        s = buf[: n * (D + 1 - dk) * (nh - dh)].reshape(n, D + 1 - dk, nh - dh)
+        np.add(left[:, dk:, dh:], right[:, : D + 1 - dk, : nh - dh], out=s)
         i = s.argmin(0)
-        return np.take_along_axis(s, i[None], 0)[0], i
+        v = np.take_along_axis(s, i[None], 0)[0]
+        return (v + extra if extra else v), i
 
+    buf = np.empty(max(T - 1, 1) * (D + 1) * nh)
     for t in range(2, T + 1):
         ys = np.arange(1, t, dtype=np.float64)[:, None, None]
         cd, chost = C[0], C[1]

@@ -631,6 +631,7 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         ScheduleError: a release out of stack order, or a slot used before it was saved.
+        NotImplementedError: host-memory rows (a two-level plan): no executor runs them yet.
     """
     actions = np.asarray(actions).reshape(-1, 3)
     if len(actions) and int(actions[:, 0].max()) >= _FIRST_HOST_OP:
