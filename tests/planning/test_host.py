@@ -289,3 +289,9 @@ def test_extremes():
     big = _plan(40, 3, host_memory=10**12, transfer_cost=2.0)
     assert big.cost == _plan(40, 3, host_memory=math.inf, transfer_cost=2.0).cost
     assert _plan(40, 10**9, host_memory=math.inf, transfer_cost=2.0).cost == 79
+
+
+def test_compare_to_bptt_refuses_two_level_schedules():
+    s = _plan(20, 3, host_memory=2, transfer_cost=1.0)
+    with pytest.raises(NotImplementedError, match=r"compare_to_bptt: a two-level schedule"):
+        memento.planning.compare_to_bptt(s)
