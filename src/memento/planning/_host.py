@@ -296,8 +296,9 @@ def emit_two_level(
 
 
 def unbounded(host_memory, num_steps: int, alpha: int) -> bool:
-    """Whether ``host_memory`` slots can hold every state a plan could keep there."""
-    return math.isinf(host_memory) or host_memory >= alpha * num_steps
+    """Whether ``host_memory`` slots can hold every state a plan could keep there: at most
+    one hidden and one internal state per step (an unbounded table may plan either)."""
+    return math.isinf(host_memory) or host_memory >= (alpha + 1) * num_steps
 
 
 # --------------------------------------------------------------------------- planning
