@@ -272,3 +272,60 @@ def test_long_plan_reports_progress_on_stderr(capsys):
     assert code == 0
     assert json.loads(out)["num_steps"] == 30000  # stdout stays one JSON object
     assert err.startswith("memento plan: planning 30000 steps ...\n")
+
+
+# --------------------------------------------------------------------------- two levels
+
+
+def test_plan_two_level_human_output(capsys):
+    argv = ["plan", "--steps", "1000", "--memory", "10", "--host-memory", "inf"]
+    code, out, err = run(capsys, *argv, "--transfer-cost", "2")
+    assert code == 0 and err == ""
+    s = memento.planning.plan(1000, 10, host_memory=float("inf"), transfer_cost=2.0)
+    r = s.simulate()
+    assert "two-level HSM schedule: 1000 steps, device 10 slots" in out and "host unbounded" in out
+    assert f"cost            {s.cost:.10g} step units" in out
+    assert f"{r.forward_evaluations} forward evaluations + {r.transfer_time:.10g}" in out
+    assert "device only     4636 forward steps" in out  # HSM's C(1000, 10)
+    assert f"host peak       {r.peak_host_memory} slots" in out
+    assert f"transfers       {r.host_stores} to the host, {r.host_loads} back" in out
+    assert "device peak     10 slots" in out and "planner only" in out
+
+
+def test_plan_two_level_json(capsys):
+    code, out, _ = run(
+        capsys, "plan", "--steps", "200", "--memory", "6", "--host-memory", "5",
+        "--transfer-cost", "0.5,3", "--policy", "msm", "--alpha", "2", "--overlap", "none",
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    s = memento.planning.plan(
+        200, 6, policy="msm", alpha=2, host_memory=5, transfer_cost=(0.5, 3.0), overlap="none"
+    )
+    assert record["cost"] == s.cost == record["replay"]["cost"]
+    assert record["device_only_cost"] == memento.planning.plan(200, 6, policy="msm", alpha=2).cost
+    assert record["cost"] <= record["device_only_cost"]
+    assert record["host_memory"] == 5 and record["transfer_cost"] == [0.5, 3.0]
+    assert record["replay"]["peak_host_memory"] <= 5 and record["replay"]["peak_memory"] <= 6
+    assert record["overlap"] == "none" and record["policy"] == "msm"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--transfer-cost", "2"], "--transfer-cost and --overlap apply with --host-memory"),
+        (["--host-memory", "x", "--transfer-cost", "2"], "a number of host slots or 'inf'"),
+        (["--host-memory", "4"], "host_memory=4 needs transfer_cost"),
+        (["--host-memory", "4", "--transfer-cost", "a,b"], "a number or WRITE,READ"),
+        (["--host-memory", "4", "--transfer-cost", "-1"], "transfer_cost must be finite and >= 0"),
+        (
+            ["--host-memory", "4", "--transfer-cost", "1", "--policy", "ism"],
+            "policy='hsm' or 'msm'",
+        ),
+        (["--host-memory", "4", "--transfer-cost", "1", "--plot", "x.png"], "--plot draws"),
+    ],
+)
+def test_plan_two_level_bad_values(capsys, argv, message):
+    code, out, err = run(capsys, "plan", "--steps", "30", "--memory", "3", *argv)
+    assert code == 2 and out == "" and message in err

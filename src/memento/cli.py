@@ -5,6 +5,7 @@ Thin by design: it parses arguments, calls the library and prints. Examples::
     memento plan --steps 1000 --memory 50 --policy ism
     memento plan --steps 4096 --memory 5MiB --carry-bytes 4096 --alpha 9
     memento plan --steps 1000 --memory 250 --policy msm --alpha 5 --json
+    memento plan --steps 1000 --memory 10 --host-memory inf --transfer-cost 2
     memento plan --steps 40 --memory 4 --policy hsm --plot schedule.png
     memento plan-chain --costs 1,2,3 --hidden 1,1,2,2 --internal 3,3,4 --memory 6
     memento plan-chain --json chain.json --rows
@@ -131,9 +132,110 @@ def _describe(schedule) -> str:
     return f"a slot holds one hidden state; {internal}; {h0}"
 
 
+def _host_args(args) -> dict[str, typing.Any]:
+    """``--host-memory``, ``--transfer-cost``, ``--overlap`` as `plan`'s keywords."""
+    if args.host_memory is None:
+        if args.transfer_cost is not None or args.overlap != "step":
+            raise ValueError("--transfer-cost and --overlap apply with --host-memory H")
+        return {}
+    text = args.host_memory.strip().lower()
+    if text in ("inf", "unbounded"):
+        host = float("inf")
+    elif text.isdigit():
+        host = int(text)
+    else:
+        raise ValueError(
+            f"--host-memory must be a number of host slots or 'inf', got {args.host_memory!r}"
+        )
+    cost = None
+    if args.transfer_cost is not None:
+        try:
+            parts = [float(v) for v in args.transfer_cost.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--transfer-cost must be a number or WRITE,READ, got {args.transfer_cost!r}"
+            ) from None
+        cost = parts[0] if len(parts) == 1 else tuple(parts)
+    return dict(host_memory=host, transfer_cost=cost, overlap=args.overlap)
+
+
+def _plan_two_level(args, host: dict) -> int:
+    """``memento plan --host-memory``: a two-level plan, replayed, against the device alone."""
+    from .planning import plan
+
+    slots = _slots(args)
+    policy = args.policy
+    if policy == "auto":  # two levels plan HSM or MSM: MSM where internal states are sized
+        policy = "hsm" if args.alpha is None else "msm"
+    kwargs: dict = dict(policy=policy, alpha=args.alpha, beta=args.beta)
+    start = time.perf_counter()
+    schedule = plan(args.steps, slots, **kwargs, **host)
+    seconds = time.perf_counter() - start
+    replay = schedule.simulate()
+    device = plan(args.steps, slots, **kwargs)
+    write, read = schedule.transfer_cost
+    if args.json:
+        record = {
+            "policy": schedule.policy,
+            "num_steps": schedule.num_steps,
+            "alpha": schedule.alpha,
+            "beta": schedule.beta,
+            "memory": schedule.memory,
+            "host_memory": None if schedule.host_memory == float("inf") else schedule.host_memory,
+            "transfer_cost": [write, read],
+            "overlap": schedule.overlap,
+            "cost": schedule.cost,
+            "device_only_cost": device.cost,
+            "plan_seconds": seconds,
+            "actions": len(schedule.actions),
+            "replay": {**dataclasses.asdict(replay), "cost": replay.cost},
+        }
+        print(json.dumps(record))
+        return 0
+    t = schedule.num_steps
+    hm = (
+        "unbounded"
+        if schedule.host_memory == float("inf")
+        else _plural(host["host_memory"], "slot")
+    )
+    print(
+        f"two-level {schedule.policy.upper()} schedule: {_plural(t, 'step')},"
+        f" device {_plural(schedule.memory, 'slot')} (h_0 takes one), host {hm}"
+    )
+    how = (
+        "each copy hides behind one step of compute"
+        if schedule.overlap == "step"
+        else "copies add in full"
+    )
+    print(f"  transfers       {write:g} to the host, {read:g} back per slot ({how})")
+    print(
+        f"  cost            {schedule.cost:.10g} step units, {schedule.cost / t:.3f} per step:"
+        f" {_plural(replay.forward_evaluations, 'forward evaluation')}"
+        f" + {replay.transfer_time:.10g} transfer stall"
+    )
+    print(
+        f"  device only     {_plural(int(device.cost), 'forward step')} in the same device slots"
+        f" ({device.cost / schedule.cost:.3f}x the two-level cost)"
+    )
+    print(f"  device peak     {_plural(replay.peak_memory, 'slot')}")
+    print(f"  host peak       {_plural(replay.peak_host_memory, 'slot')}")
+    print(f"  transfers       {replay.host_stores} to the host, {replay.host_loads} back")
+    print(
+        f"  replay          {_plural(len(schedule.actions), 'action')} checked"
+        f" (planned in {seconds:.2f} s)"
+    )
+    print("  note            memento.scan does not run host schedules yet (planner only)")
+    return 0
+
+
 def _plan(args) -> int:
     from .planning import compare_to_bptt
 
+    host = _host_args(args)
+    if host:
+        if args.plot:
+            raise ValueError("--plot draws one-level schedules; drop --plot or --host-memory")
+        return _plan_two_level(args, host)
     if args.steps > 20_000:
         _progress(f"memento plan: planning {args.steps} steps ...")
     schedule = _schedule(args, _slots(args))
@@ -357,6 +459,23 @@ def _parser() -> argparse.ArgumentParser:
         "--replay",
         action="store_true",
         help=f"replay (check) the schedule even above {_REPLAY_ROWS:,} actions (slow)",
+    )
+    p.add_argument(
+        "--host-memory",
+        metavar="H",
+        help="a second level: host slots ('inf': unbounded); plans hsm or msm on both levels",
+    )
+    p.add_argument(
+        "--transfer-cost",
+        metavar="C or W,R",
+        help="with --host-memory: time to copy one slot to the host (and back), in forward steps",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=("step", "none"),
+        default="step",
+        help="with --host-memory: a copy hides behind one step of compute (step, default) or"
+        " adds in full (none)",
     )
     p.set_defaults(handler=_plan)
 

@@ -26,6 +26,8 @@ def search(
     hidden_sizes=None,
     internal_sizes=None,
     early_free: bool = False,
+    host_memory: float = 0,
+    host_charges: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
 ) -> float:
     """Least total forward cost of a valid schedule, or inf if none fits.
 
@@ -37,6 +39,13 @@ def search(
     search always frees states as soon as they are useless; ``early_free=True`` also lets
     it free a state that is still useful, which the simulator accepts but the paper's
     equations do not model.
+
+    ``host_memory`` adds a second level (``memento.plan``'s two-level model): the states
+    ``hidden`` / ``internal`` allow may also be copied to host slots (a hidden state takes
+    1, an internal state ``alpha``), loaded back, and back-propagated from; each copy adds
+    its entry of ``host_charges`` = (store hidden, load hidden, store internal, load
+    internal). As in the model, an internal state goes to the host only when a step
+    follows it (a right part), and beta applies to inputs held on the device only.
     """
     t = num_steps
     u = forward_costs or [1] * t
@@ -62,9 +71,16 @@ def search(
     def inputs_ok(hid, inn):
         return all(held(step, hid, inn) for step, _, reduced in inn if reduced)
 
+    sh, lh, si, li = host_charges
+    alpha_host = alpha if internal_sizes is None else None
+
+    def host_used(hh, hi):
+        return len(hh) + sum(alpha_host for _ in hi)
+
     # state: (cur or -1, expected step, hidden positions, internal (step, size, reduced),
-    # sweeping). cur = -1: no working state.
-    start = (0, t - 1, frozenset(), frozenset(), True)
+    # sweeping, host hidden positions, host internal steps). cur = -1: no working state.
+    empty = frozenset()
+    start = (0, t - 1, empty, empty, True, empty, empty)
     best = {start: 0}
     heap = [(0, 0, start)]
     tie = 0
@@ -72,45 +88,60 @@ def search(
         cost, _, state = heapq.heappop(heap)
         if cost > best.get(state, float("inf")):
             continue
-        cur, expect, hid, inn, sweeping = state
+        cur, expect, hid, inn, sweeping, hh, hi = state
         if expect == -1:
             return cost
         nxt = []
         if cur >= 0:
             if cur < t - 1:  # advance one step (never to h_t)
-                nxt.append((u[cur], (cur + 1, expect, hid, inn, sweeping)))
+                nxt.append((u[cur], (cur + 1, expect, hid, inn, sweeping, hh, hi)))
             if hidden and cur > 0 and cur not in hid:
-                nxt.append((0, (cur, expect, hid | {cur}, inn, sweeping)))
+                nxt.append((0, (cur, expect, hid | {cur}, inn, sweeping, hh, hi)))
             if internal and cur <= expect and all(step != cur for step, _, _ in inn):
                 size, reduced = internal_size(cur, hid, inn)
                 new = inn | {(cur, size, reduced)}
-                nxt.append((u[cur], (cur + 1, expect, hid, new, sweeping)))
+                nxt.append((u[cur], (cur + 1, expect, hid, new, sweeping, hh, hi)))
             if fused and cur == expect:
-                nxt.append((u[cur], (-1, expect - 1, hid, inn, False)))
+                nxt.append((u[cur], (-1, expect - 1, hid, inn, False, hh, hi)))
+            if host_memory and hidden and cur > 0 and cur not in hh:
+                nxt.append((sh, (cur, expect, hid, inn, sweeping, hh | {cur}, hi)))
+            if host_memory and internal and cur < expect and cur not in hi:
+                nxt.append((u[cur] + si, (cur + 1, expect, hid, inn, sweeping, hh, hi | {cur})))
         for step, _, _ in inn:
             if step == expect:
-                nxt.append((0, (-1, expect - 1, hid, inn, False)))
+                nxt.append((0, (-1, expect - 1, hid, inn, False, hh, hi)))
+        if expect in hi:
+            nxt.append((li, (-1, expect - 1, hid, inn, False, hh, hi)))
         if not sweeping:
-            nxt.append((0, (0, expect, hid, inn, False)))  # load h_0
+            nxt.append((0, (0, expect, hid, inn, False, hh, hi)))  # load h_0
             for p in hid:
-                nxt.append((0, (p, expect, hid, inn, False)))
+                nxt.append((0, (p, expect, hid, inn, False, hh, hi)))
             for step, _, _ in inn:
-                nxt.append((0, (step + 1, expect, hid, inn, False)))
+                nxt.append((0, (step + 1, expect, hid, inn, False, hh, hi)))
+            for p in hh:
+                nxt.append((lh, (p, expect, hid, inn, False, hh, hi)))
+            for step in hi:
+                nxt.append((lh, (step + 1, expect, hid, inn, False, hh, hi)))
         if early_free:
             for p in hid:
-                nxt.append((0, (cur, expect, hid - {p}, inn, sweeping)))
+                nxt.append((0, (cur, expect, hid - {p}, inn, sweeping, hh, hi)))
             for item in inn:
-                nxt.append((0, (cur, expect, hid, inn - {item}, sweeping)))
+                nxt.append((0, (cur, expect, hid, inn - {item}, sweeping, hh, hi)))
         for dc, new_state in nxt:
-            c1, e2, h2, i2, sw = new_state
+            c1, e2, h2, i2, sw, hh2, hi2 = new_state
             if used(h2, i2) > memory or not inputs_ok(h2, i2):
+                continue
+            if host_used(hh2, hi2) > host_memory:
                 continue
             # States past what remains to be back-propagated are useless: freeing them
             # costs nothing, so drop them at once (keeps the search small).
             if any(p > e2 for p in h2) or any(q > e2 for q, _, _ in i2):
                 h2 = frozenset(p for p in h2 if p <= e2)
                 i2 = frozenset(x for x in i2 if x[0] <= e2)
-            new_state = (c1 if c1 <= e2 else -1, e2, h2, i2, sw)
+            if any(p > e2 for p in hh2) or any(q > e2 for q in hi2):
+                hh2 = frozenset(p for p in hh2 if p <= e2)
+                hi2 = frozenset(q for q in hi2 if q <= e2)
+            new_state = (c1 if c1 <= e2 else -1, e2, h2, i2, sw, hh2, hi2)
             c2 = cost + dc
             if c2 < best.get(new_state, float("inf")):
                 best[new_state] = c2

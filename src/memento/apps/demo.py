@@ -214,7 +214,7 @@ def main(args) -> int:
             return scan(f, init, xs, memory=slots)
 
         label = f"memento.scan, memory={slots} ({fraction:.0%} of T): {schedule.policy.upper()}"
-        methods.append((label, scan_loss(loop), schedule.cost))
+        methods.append((label, scan_loss(loop), int(schedule.cost)))
 
     rows = []
     for n, (label, loss, evaluations) in enumerate(methods, 1):

@@ -413,13 +413,18 @@ def compare_to_bptt(schedule: Schedule, *, backward_cost: float = 2.0) -> BpttCo
         A `BpttComparison`.
 
     Raises:
-        NotImplementedError: for heterogeneous chains.
+        NotImplementedError: for heterogeneous chains and two-level (host memory) plans.
     """
     where = "memento.compare_to_bptt"
     if not isinstance(schedule, Schedule):
         raise TypeError(f"{where}: expected a Schedule, got {type(schedule).__name__}.")
     if schedule.hidden_sizes is not None or schedule.internal_sizes is not None:
         raise NotImplementedError(f"{where}: heterogeneous chains are not supported.")
+    if schedule.host_memory:
+        raise NotImplementedError(
+            f"{where}: a two-level schedule (host_memory={schedule.host_memory}) costs "
+            "transfers too; compare its cost with plan(num_steps, memory).cost instead."
+        )
     if isinstance(backward_cost, bool) or not isinstance(backward_cost, numbers.Real):
         raise TypeError(f"{where}: backward_cost must be a number, got {backward_cost!r}.")
     b = float(backward_cost)
@@ -430,7 +435,7 @@ def compare_to_bptt(schedule: Schedule, *, backward_cost: float = 2.0) -> BpttCo
     bptt_memory = t * schedule.beta + int(schedule.counts_initial)
     return BpttComparison(
         num_steps=t,
-        cost=schedule.cost,
+        cost=int(schedule.cost),
         cost_per_step=schedule.cost / t,
         memory=schedule.peak_memory,
         bptt_memory=bptt_memory,

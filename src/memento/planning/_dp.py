@@ -28,11 +28,13 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
 from ._auto import Policy, auto_uses_msm, check_policy, plan_auto
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
+from ._host import check_host, plan_two_level
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
 from ._schedule import (
     _ADV,
@@ -436,6 +438,9 @@ def plan(
     alpha: int | None = None,
     beta: int | None = None,
     progress: Progress | None = None,
+    host_memory: int | float | None = None,
+    transfer_cost: float | tuple[float, float] | None = None,
+    overlap: Literal["step", "none"] = "step",
 ) -> Schedule:
     """Plans an optimal checkpointing schedule for ``num_steps`` loop steps in ``memory`` slots.
 
@@ -465,10 +470,39 @@ def plan(
         progress: called now and then with the fraction of the work done (0 to 1), for
             plans that take seconds (`plan_estimate` predicts how long); the CLI prints
             it to stderr. The library itself never prints.
+        host_memory: a second storage level (host memory beside the accelerator), in
+            slots of one hidden state; ``math.inf`` for unbounded. ``None`` or 0: the
+            one-level plan, unchanged. ``"hsm"`` and ``"msm"`` only; hidden and (MSM)
+            internal states may each go to the device or the host. See "Two levels".
+        transfer_cost: required with ``host_memory``: the time to copy one slot to the
+            host and back, in forward-step units (a number), or ``(write, read)``.
+        overlap: how transfers meet compute (see "Two levels"): ``"step"`` (default),
+            ``"none"``.
+
+    Two levels:
+        With ``host_memory``, a state may be kept on the device (``memory``) or copied to
+        the host (``host_memory``), and the plan minimises forward evaluations plus the
+        time transfers stall the computation. A hidden state takes 1 slot on either
+        level, an internal state ``alpha`` (``beta`` on the device when its input is held
+        there). Copying k slots to the host takes ``k * write``, back ``k * read``. With
+        ``overlap="step"`` each copy runs beside one unit of compute: a store beside the
+        step evaluated right after it, a load prefetched during the backward step right
+        before it (assumed to take at least a forward step), so a copy adds
+        ``max(0, k * write - 1)`` or ``max(0, k * read - 1)``: per step, the maximum of
+        compute and transfer. With ``overlap="none"`` copies add ``k * write`` and
+        ``k * read`` in full (H-Revolve's and disk-revolve's model). The plan is exact
+        under this model (a dynamic program over device slots, host slots and where the
+        current subproblem's base lies; the recursion is in
+        ``memento/planning/_host.py``), in O(t^2 memory host_memory) time, so it is meant
+        for thousands of steps (``math.inf`` host memory is the fastest). The schedule has
+        host rows (``Op.HOST_*``); no executor runs them yet (``memento.scan`` has no
+        ``host_memory=``): `memento.planning.stack_depths` refuses them.
 
     Returns:
         A `Schedule` whose ``cost`` is the paper's C(t, m) (an exact int) and whose replay
         (`Schedule.simulate`) counts exactly ``cost`` forward evaluations within ``memory``.
+        With a host level, ``cost`` is forward evaluations plus transfer time (a float),
+        the replay's ``SimulationResult.cost``, within both budgets.
 
     Raises:
         TypeError: a size that is not an int (bools included).
@@ -498,6 +532,12 @@ def plan(
     """
     fn = "memento.plan"
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
+    host, cost_pair, overlap = check_host(fn, policy, host_memory, transfer_cost, overlap)
+    if host:  # 0 and None: the one-level plan below, unchanged
+        schedule = plan_two_level(fn, t, m, policy, alpha, beta, host, cost_pair, overlap)
+        if progress is not None:
+            progress(1.0)
+        return schedule
     if policy == "auto":
 
         def exact(p: str, a: int | None) -> Schedule:

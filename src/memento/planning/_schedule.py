@@ -28,8 +28,28 @@ FREE_HIDDEN    release hidden slot ``arg`` (holding ``h_pos``).
 FREE_INTERNAL  release internal slot ``arg`` (holding step ``pos``).
 ============== ===================================================================
 
-Every forward evaluation of the body is one of: a step of ADVANCE, a SAVE_INTERNAL, or
-a BACKWARD_FUSED. Their total is the schedule's cost, the paper's C(t, m).
+Two-level plans (`memento.plan` with ``host_memory=``) also use host slots, numbered
+apart from the device's, with these rows (the cost model is in ``_host.py``):
+
+====================== ===========================================================
+HOST_SAVE_HIDDEN       copy ``h_pos`` (``cur == pos``) to host hidden slot ``arg``.
+HOST_SAVE_INTERNAL     run step ``pos`` keeping its residuals and copy the internal
+                       state to host internal slot ``arg``; then ``cur = pos + 1``.
+HOST_LOAD_HIDDEN       ``cur = pos`` copied back from host hidden slot ``arg``.
+HOST_LOAD_INTERNAL     ``cur = pos`` copied back from the output state of host
+                       internal slot ``arg`` (holding step ``pos - 1``).
+HOST_BACKWARD_INTERNAL copy host internal slot ``arg`` back and back-propagate step
+                       ``pos`` from it.
+HOST_FREE_HIDDEN,      release a host slot.
+HOST_FREE_INTERNAL
+====================== ===========================================================
+
+`walk` (hence `simulate`) checks these rows like the device's; no executor runs them
+yet: `stack_depths`, which the compiled executors lay out their slots from, refuses them.
+
+Every forward evaluation of the body is one of: a step of ADVANCE, a SAVE_INTERNAL (or
+HOST_SAVE_INTERNAL), or a BACKWARD_FUSED. Their total is the schedule's cost, the paper's
+C(t, m) (a two-level plan's cost adds its transfer time).
 
 Memory, in slots of one hidden state each (the paper's m): a hidden slot takes 1, an
 internal slot ``alpha`` (``beta`` when its input state ``h_pos`` is held at that moment,
@@ -79,6 +99,13 @@ class Op(enum.IntEnum):
     BACKWARD_FUSED = 6
     FREE_HIDDEN = 7
     FREE_INTERNAL = 8
+    HOST_SAVE_HIDDEN = 9
+    HOST_SAVE_INTERNAL = 10
+    HOST_LOAD_HIDDEN = 11
+    HOST_LOAD_INTERNAL = 12
+    HOST_BACKWARD_INTERNAL = 13
+    HOST_FREE_HIDDEN = 14
+    HOST_FREE_INTERNAL = 15
 
 
 # Opcodes as plain ints, for the planners' emitters (their inner loops are hot).
@@ -91,6 +118,14 @@ _BACK_I = int(Op.BACKWARD_INTERNAL)
 _FUSED = int(Op.BACKWARD_FUSED)
 _FREE_H = int(Op.FREE_HIDDEN)
 _FREE_I = int(Op.FREE_INTERNAL)
+_HOST_SAVE_H = int(Op.HOST_SAVE_HIDDEN)
+_HOST_SAVE_I = int(Op.HOST_SAVE_INTERNAL)
+_HOST_LOAD_H = int(Op.HOST_LOAD_HIDDEN)
+_HOST_LOAD_I = int(Op.HOST_LOAD_INTERNAL)
+_HOST_BACK_I = int(Op.HOST_BACKWARD_INTERNAL)
+_HOST_FREE_H = int(Op.HOST_FREE_HIDDEN)
+_HOST_FREE_I = int(Op.HOST_FREE_INTERNAL)
+_FIRST_HOST_OP = _HOST_SAVE_H  # every op from here on is a host op
 
 
 INITIAL = -1  # the hidden "slot" of h_0, always held by the caller
@@ -110,6 +145,11 @@ class SimulationResult:
         peak_hidden_slots: most hidden slots (excluding h_0) live at once.
         peak_internal_slots: most internal slots live at once.
         sweep_length: number of rows of the first sweep (the forward-pass prefix).
+        peak_host_memory: most host slots in use at once (two-level plans).
+        host_stores, host_loads: rows that copy a state to the host / back (a backward
+            step from a host internal state is a load).
+        transfer_time: what the transfers add under the schedule's cost model
+            (``_host.py``: the part of each copy that compute does not hide).
     """
 
     forward_evaluations: int
@@ -117,6 +157,15 @@ class SimulationResult:
     peak_hidden_slots: int
     peak_internal_slots: int
     sweep_length: int
+    peak_host_memory: int = 0
+    host_stores: int = 0
+    host_loads: int = 0
+    transfer_time: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """Forward evaluations plus transfer time: a two-level plan's ``cost``."""
+        return self.forward_evaluations + self.transfer_time
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,7 +176,8 @@ class Schedule:
         num_steps: the sequence length, the paper's t.
         memory: the budget in slots, the paper's m.
         policy: ``"hsm"``, ``"ism"``, ``"msm"``, ``"chain"`` or a baseline's name.
-        cost: forward evaluations of the plan (first sweep included), the paper's C(t, m).
+        cost: forward evaluations of the plan (first sweep included), the paper's C(t, m);
+            for a two-level plan, plus the transfer time of its model (a float).
         actions: ``(n, 3)`` integer array of rows ``(op, arg, pos)``: int32 as the planner
             emits them (half the memory at millions of rows), else int64.
         alpha: slots taken by an internal state.
@@ -135,12 +185,17 @@ class Schedule:
         counts_initial: whether ``h_0`` takes a slot of ``memory``.
         hidden_sizes, internal_sizes: per-position sizes for heterogeneous chains
             (``None`` for uniform loops); override ``1``/``alpha``/``beta``.
+        host_memory: host slots of a two-level plan (``math.inf``: unbounded; 0: none).
+        transfer_cost: ``(write, read)``: forward-step units to copy one slot to the host
+            and back.
+        overlap: ``"step"`` (a transfer hides behind one step of compute) or ``"none"``
+            (transfers add in full); see `memento.plan`.
     """
 
     num_steps: int
     memory: int
     policy: str
-    cost: int
+    cost: float
     actions: np.ndarray
     alpha: int = 1
     beta: int = 1
@@ -151,6 +206,9 @@ class Schedule:
     # Set by the planner, which counts it from the rows without a replay (`count_peak`);
     # ``None``: `peak_memory` replays the schedule.
     planned_peak: int | None = dataclasses.field(default=None, repr=False)
+    host_memory: float = 0
+    transfer_cost: tuple[float, float] = (0.0, 0.0)
+    overlap: str = "step"
 
     def __post_init__(self):
         actions = np.asarray(self.actions)
@@ -160,10 +218,16 @@ class Schedule:
         object.__setattr__(self, "actions", actions)
 
     def __repr__(self) -> str:
+        host = ""
+        if self.host_memory:
+            host = (
+                f"host_memory={self.host_memory}, transfer_cost={self.transfer_cost}, "
+                f"overlap={self.overlap!r}, "
+            )
         return (
             f"Schedule(policy={self.policy!r}, num_steps={self.num_steps}, "
-            f"memory={self.memory}, cost={self.cost}, peak_memory={self.peak_memory}, "
-            f"actions={len(self.actions)})"
+            f"memory={self.memory}, {host}cost={self.cost}, "
+            f"peak_memory={self.peak_memory}, actions={len(self.actions)})"
         )
 
     @property
@@ -192,8 +256,7 @@ class Schedule:
 
     def executable(self) -> np.ndarray:
         """The rows an executor runs: the schedule without FREE rows."""
-        keep = (self.actions[:, 0] != Op.FREE_HIDDEN) & (self.actions[:, 0] != Op.FREE_INTERNAL)
-        return self.actions[keep]
+        return self.actions[~_IS_ANY_FREE[self.actions[:, 0]]]
 
 
 class Row(NamedTuple):
@@ -203,8 +266,8 @@ class Row(NamedTuple):
         index: the row's index in ``Schedule.actions``.
         op, arg, pos: the row (see the module docstring).
         steps: the steps the row evaluates forward, in order: ``range(pos, pos + arg)``
-            for ADVANCE, ``range(pos, pos + 1)`` for SAVE_INTERNAL and BACKWARD_FUSED,
-            empty otherwise.
+            for ADVANCE, ``range(pos, pos + 1)`` for SAVE_INTERNAL, HOST_SAVE_INTERNAL
+            and BACKWARD_FUSED, empty otherwise.
         sweep: whether the row belongs to the first sweep, which ends with (and
             includes) the first backward row; an executor runs the sweep in its forward
             pass and the rest, from that backward row on, in its backward pass.
@@ -220,6 +283,8 @@ class Row(NamedTuple):
 
 _NO_STEPS = range(0)
 _OPS = tuple(Op)  # Op(op) by index: faster than the enum's lookup, per row
+# Rows, other than those that evaluate steps, that may come before the first backward.
+_SWEEP_OTHERS = (_SAVE_H, _FREE_H, _FREE_I, _HOST_SAVE_H, _HOST_FREE_H, _HOST_FREE_I)
 
 
 class Walk:
@@ -228,14 +293,16 @@ class Walk:
     Iterating yields every row as a `Row` once it is checked and applied; meanwhile the
     walk's state is readable: ``cur`` (position of the working state, ``None`` after a
     backward step), ``hidden`` (slot -> position it holds), ``internal`` (slot -> step
-    it holds), `holds` and, at the end, ``sweep_length``. Executors follow the rows and
-    keep their own values per slot; `simulate` adds the memory model; `step_evaluations`
-    counts. Pure Python over NumPy rows, no tracing: one walk serves every executor.
+    it holds), ``host_hidden`` and ``host_internal`` (the same for the host slots of a
+    two-level plan), `holds` and, at the end, ``sweep_length``. Executors follow the
+    rows and keep their own values per slot; `simulate` adds the memory model (both
+    levels) and the transfer charges; `step_evaluations` counts. Pure Python over NumPy
+    rows, no tracing: one walk serves every executor.
 
     Checks: every step is back-propagated exactly once, in reverse order (t-1 first),
-    from a state restored or computed before it; every load reads a live slot that holds
-    what the row claims; no live slot is overwritten; the rows start with a first sweep.
-    Memory is not checked here (`simulate` does).
+    from a state restored or computed before it; every load reads a live slot (device or
+    host) that holds what the row claims; no live slot is overwritten; the rows start
+    with a first sweep. Memory is not checked here (`simulate` does).
 
     Raises (while iterating):
         ScheduleError: on the first broken rule, naming the row and ``name``.
@@ -247,13 +314,16 @@ class Walk:
         self.cur: int | None = 0
         self.hidden: dict[int, int] = {}
         self.internal: dict[int, int] = {}
+        self.host_hidden: dict[int, int] = {}
+        self.host_internal: dict[int, int] = {}
         self.sweep_length: int | None = None
-        # Positions held right now, counted so that `holds` is O(1): h_p in a hidden
-        # slot, or h_p as the output of an internal slot holding step p-1.
+        # Positions held on the device right now, counted so that `holds` is O(1): h_p in
+        # a hidden slot, or h_p as the output of an internal slot holding step p-1.
         self._held: collections.Counter[int] = collections.Counter()
 
     def holds(self, pos: int) -> bool:
-        """Whether ``h_pos`` is held right now (``h_0`` always is)."""
+        """Whether ``h_pos`` is held on the device right now (``h_0`` always is); a copy
+        in a host slot does not count (it must be copied back before it is read)."""
         return pos == 0 or self._held[pos] > 0
 
     def fail(self, i: int, msg: str) -> NoReturn:
@@ -263,6 +333,7 @@ class Walk:
     def __iter__(self) -> Iterator[Row]:
         t = self.schedule.num_steps
         hidden, internal, held, fail = self.hidden, self.internal, self._held, self.fail
+        host_hidden, host_internal = self.host_hidden, self.host_internal
         expect = t - 1  # next step to back-propagate
         sweep_pos = 0  # first-sweep frontier: every step < sweep_pos was evaluated once
         for i, (op, arg, pos) in enumerate(self.schedule.actions.tolist()):
@@ -324,11 +395,46 @@ class Walk:
                     fail(i, f"internal slot {arg} does not hold step {pos}")
                 del internal[arg]
                 held[pos + 1] -= 1
+            elif op == _HOST_SAVE_H:
+                if cur != pos or arg in host_hidden or arg < 0:
+                    fail(i, f"cannot copy h_{pos} to host hidden slot {arg} (current {cur})")
+                host_hidden[arg] = pos
+            elif op == _HOST_SAVE_I:
+                if cur != pos or arg in host_internal or arg < 0 or pos >= t:
+                    fail(i, f"cannot save step {pos} in host internal slot {arg} (current {cur})")
+                host_internal[arg] = pos
+                steps = range(pos, pos + 1)
+                cur = pos + 1
+            elif op == _HOST_LOAD_H:
+                if host_hidden.get(arg) != pos:
+                    fail(i, f"host hidden slot {arg} does not hold h_{pos}")
+                cur = pos
+            elif op == _HOST_LOAD_I:
+                if host_internal.get(arg) != pos - 1:
+                    fail(i, f"host internal slot {arg} does not hold step {pos - 1}")
+                cur = pos
+            elif op == _HOST_BACK_I:
+                if host_internal.get(arg) != pos or pos != expect:
+                    fail(
+                        i,
+                        f"cannot back-propagate step {pos} from host internal slot {arg}; "
+                        f"expected step {expect}",
+                    )
+                expect -= 1
+                cur = None
+            elif op == _HOST_FREE_H:
+                if host_hidden.get(arg) != pos:
+                    fail(i, f"host hidden slot {arg} does not hold h_{pos}")
+                del host_hidden[arg]
+            elif op == _HOST_FREE_I:
+                if host_internal.get(arg) != pos:
+                    fail(i, f"host internal slot {arg} does not hold step {pos}")
+                del host_internal[arg]
             else:
                 fail(i, f"unknown op {op}")
             self.cur = cur
             if in_sweep:
-                if op in (_ADV, _SAVE_I):
+                if op in (_ADV, _SAVE_I, _HOST_SAVE_I):
                     if pos != sweep_pos:
                         fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
                     sweep_pos = cur
@@ -336,11 +442,11 @@ class Walk:
                     if pos != t - 1 or sweep_pos != t - 1:
                         fail(i, "the first sweep must end at step t-1")
                     self.sweep_length = i
-                elif op == _BACK_I:
+                elif op in (_BACK_I, _HOST_BACK_I):
                     if sweep_pos != t:
                         fail(i, "the first sweep must end at step t-1")
                     self.sweep_length = i
-                elif op not in (_SAVE_H, _FREE_H, _FREE_I):
+                elif op not in _SWEEP_OTHERS:
                     fail(i, "only ADVANCE and SAVE rows may come before the first backward")
             yield Row(i, _OPS[op], arg, pos, steps, in_sweep)
         if expect != -1:
@@ -366,9 +472,10 @@ def walk(schedule: Schedule) -> Walk:
 def step_evaluations(schedule: Schedule) -> np.ndarray:
     """How many times ``schedule`` evaluates each step forward, first sweep included.
 
-    ADVANCE, SAVE_INTERNAL and BACKWARD_FUSED rows evaluate steps (`Row.steps`); the
-    total is the schedule's cost when every step costs 1, and ``forward_costs`` weighs
-    it otherwise. Returns an int64 array of length ``num_steps``.
+    ADVANCE, SAVE_INTERNAL, HOST_SAVE_INTERNAL and BACKWARD_FUSED rows evaluate steps
+    (`Row.steps`); the total is the schedule's forward evaluations (its cost, less the
+    transfer time of a two-level plan) when every step costs 1, and ``forward_costs``
+    weighs it otherwise. Returns an int64 array of length ``num_steps``.
 
     Raises:
         ScheduleError: a schedule that breaks a rule of the replay (see `Walk`).
@@ -390,9 +497,12 @@ def simulate(s: Schedule) -> SimulationResult:
     Checks: every step is back-propagated exactly once, in reverse order (t-1 first), each
     from a state that the replay itself restored or computed; every load reads a live slot
     that holds what the row claims; no live slot is overwritten; the schedule starts with
-    a first sweep (see the module docstring) (all of these by `walk`); slots in use never
-    exceed ``s.memory``, and no state is freed while an internal state stored without its
-    input relies on it.
+    a first sweep (see the module docstring) (all of these by `walk`, host slots
+    included); slots in use never exceed ``s.memory``, and no state is freed while an
+    internal state stored without its input relies on it. Two-level schedules: host
+    slots in use never exceed ``s.host_memory`` (a hidden state takes 1, an internal
+    state ``alpha``), and each copy to or from the host is charged per the schedule's
+    cost model (``transfer_time``; `memento.plan` states the model).
 
     Returns:
         The counted forward evaluations and memory (`SimulationResult`).
@@ -410,6 +520,11 @@ def simulate(s: Schedule) -> SimulationResult:
     peak_h = peak_i = 0
     evals = 0
     sizes: dict[int, int] = {}  # internal slot -> the size it was stored at
+    # The second level: host slots in use (a hidden state 1, an internal state alpha).
+    host_used = host_peak = 0
+    # Transfers by kind: stores of hidden / internal states, loads of a hidden state (or of
+    # an internal state's output), copies back of an internal state for its backward step.
+    n_sh = n_si = n_lh = n_li = 0
 
     # An internal state stored at the reduced size relies on the state that holds its input;
     # freeing that state first would lose the input (section 3.4). slot -> input position.
@@ -456,6 +571,27 @@ def simulate(s: Schedule) -> SimulationResult:
             if arg in relies:
                 relied_on[relies.pop(arg)] -= 1
             check_released(i, pos + 1)
+        elif op >= _FIRST_HOST_OP:
+            if op == _HOST_SAVE_H:
+                host_used += 1
+                n_sh += 1
+            elif op == _HOST_SAVE_I:
+                host_used += s.alpha
+                n_si += 1
+            elif op in (_HOST_LOAD_H, _HOST_LOAD_I):
+                n_lh += 1
+            elif op == _HOST_BACK_I:
+                n_li += 1
+            elif op == _HOST_FREE_H:
+                host_used -= 1
+            elif op == _HOST_FREE_I:
+                host_used -= s.alpha
+            if host_used > host_peak:
+                host_peak = host_used
+                if host_used > s.host_memory:
+                    w.fail(
+                        i, f"{host_used} host slots in use, over the host budget of {s.host_memory}"
+                    )
         peak = max(peak, used)
         if used > s.memory:
             w.fail(i, f"{used} slots in use, over the budget of {s.memory}")
@@ -466,7 +602,37 @@ def simulate(s: Schedule) -> SimulationResult:
         peak_hidden_slots=peak_h,
         peak_internal_slots=peak_i,
         sweep_length=w.sweep_length,
+        peak_host_memory=host_peak,
+        host_stores=n_sh + n_si,
+        host_loads=n_lh + n_li,
+        transfer_time=transfer_time(transfer_charges(s), (n_sh, n_lh, n_si, n_li)),
     )
+
+
+def transfer_charges(s: Schedule) -> tuple[float, float, float, float]:
+    """What one transfer adds to the cost, by kind: ``(store hidden, load hidden, store
+    internal, load internal)``; the model is `memento.plan`'s (``_host.py``): a copy of
+    ``k`` slots takes ``k`` times the per-slot cost, less one step of compute that hides
+    it under ``overlap="step"``, never below 0."""
+    return charges_of(*s.transfer_cost, s.alpha, s.overlap)
+
+
+def charges_of(
+    write: float, read: float, alpha: int, overlap: str
+) -> tuple[float, float, float, float]:
+    """`transfer_charges` from the per-slot costs, internal-state size and overlap."""
+    hidden = 1.0 if overlap == "step" else 0.0
+
+    def charge(x: float) -> float:
+        return max(0.0, float(x) - hidden)
+
+    return charge(write), charge(read), charge(alpha * write), charge(alpha * read)
+
+
+def transfer_time(charges, counts) -> float:
+    """The transfer time of ``counts`` transfers by kind (`transfer_charges`' order),
+    summed in one fixed order so that planner and replay agree to the last bit."""
+    return float(sum(c * n for c, n in zip(charges, counts, strict=True) if n))
 
 
 # ---------------------------------------------------------------------------------------
@@ -483,6 +649,7 @@ def _lut(*ops) -> np.ndarray:
 
 _IS_SAVE = _lut(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL)
 _IS_FREE = _lut(Op.FREE_HIDDEN, Op.FREE_INTERNAL)
+_IS_ANY_FREE = _lut(Op.FREE_HIDDEN, Op.FREE_INTERNAL, Op.HOST_FREE_HIDDEN, Op.HOST_FREE_INTERNAL)
 _HIDDEN_OPS = _lut(Op.SAVE_HIDDEN, Op.LOAD_HIDDEN, Op.FREE_HIDDEN)
 _INTERNAL_OPS = _lut(Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL, Op.FREE_INTERNAL)
 
@@ -580,8 +747,17 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         ScheduleError: a release out of stack order, or a slot used before it was saved.
+        NotImplementedError: host-memory rows (a two-level plan): no executor runs them yet.
     """
     actions = np.asarray(actions).reshape(-1, 3)
+    if len(actions) and int(actions[:, 0].max()) >= _FIRST_HOST_OP:
+        row = int(np.argmax(actions[:, 0] >= _FIRST_HOST_OP))
+        raise NotImplementedError(
+            f"memento.planning.stack_depths: row {row} "
+            f"{tuple(int(v) for v in actions[row])} is a host-memory row "
+            f"({Op(int(actions[row, 0])).name}); no executor runs two-level schedules yet "
+            "(memento.scan(host_memory=) is pending): plan with host_memory=None to run it"
+        )
     nh, ni, bad = _depths(actions)
     if bad >= 0:
         raise ScheduleError(
