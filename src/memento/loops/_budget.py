@@ -1,118 +1,12 @@
-"""Memory budgets: parsing, slot sizes, and the choice of a schedule."""
+"""Memory budgets: the NumPy-only helpers of `memento.planning`, under the names the JAX
+executors import."""
 
-from __future__ import annotations
-
-import dataclasses
-import functools
-import math
-import re
-
-from .. import planning
-from ..planning import Policy, Schedule, auto_policy
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Bytes:
-    """A memory budget in bytes; see `bytes_budget`."""
-
-    num_bytes: int
-
-
-def bytes_budget(num_bytes: int) -> Bytes:
-    """A byte budget for ``memory=``, from an integer number of bytes.
-
-    A plain ``int`` passed as ``memory`` counts carry-sized slots; wrap a byte count with
-    this function (or pass a string such as ``"256MiB"``) to mean bytes instead.
-
-    Example:
-        >>> memento.scan(f, init, xs, memory=memento.bytes_budget(2**28))  # doctest: +SKIP
-    """
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-        raise TypeError(
-            f"memento.bytes_budget: expected an int number of bytes, got {num_bytes!r}."
-        )
-    if num_bytes < 1:
-        raise ValueError(
-            f"memento.bytes_budget: expected a positive number of bytes, got {num_bytes}."
-        )
-    return Bytes(num_bytes)
-
-
-def parse_memory(memory, *, name: str) -> int | Bytes:
-    """``memory=`` as given by the user: an int of slots, or `Bytes`."""
-    if isinstance(memory, Bytes):
-        return memory
-    if isinstance(memory, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(
-                f"{name}: cannot read memory={memory!r}; pass a size such as '256MiB', "
-                "'1.5GB' or '4096B', an int number of slots, or memento.bytes_budget(n)."
-            )
-        return bytes_budget(max(1, int(float(m.group(1)) * _UNITS[unit])))
-    if isinstance(memory, bool) or not isinstance(memory, int):
-        raise TypeError(
-            f"{name}: memory must be None, an int number of carry-sized slots, a size string "
-            f"such as '256MiB', or memento.bytes_budget(n); got {memory!r}."
-        )
-    if memory < 1:
-        raise ValueError(
-            f"{name}: memory={memory} slots is too small; the smallest budget is 1 slot "
-            "(the initial carry only, recomputing everything else)."
-        )
-    return memory
-
-
-def to_slots(memory: int | Bytes, carry_bytes: int, *, name: str) -> int:
-    """Converts a budget into carry-sized slots; a budget below one carry is an error."""
-    if isinstance(memory, int):
-        return memory
-    slots = memory.num_bytes // max(carry_bytes, 1)
-    if slots < 1:
-        raise ValueError(
-            f"{name}: a budget of {memory.num_bytes} bytes cannot hold even one carry of "
-            f"{carry_bytes} bytes; the minimum is {carry_bytes} bytes (one slot)."
-        )
-    return slots
-
-
-def internal_slots(residual_bytes: int, carry_bytes: int) -> int:
-    """The paper's alpha: an internal state (residuals and output carry) in carry slots."""
-    return max(1, math.ceil((residual_bytes + carry_bytes) / max(carry_bytes, 1)))
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(num_steps: int, memory: int, policy: Policy, alpha: int | None) -> Schedule:
-    return planning.plan(num_steps, memory, policy=policy, alpha=alpha)
-
-
-def choose_policy(num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str) -> Policy:
-    """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks (for HSM
-    without planning it, see `memento.planning.auto_policy`)."""
-    if policy == "ism" and slots < alpha:
-        raise ValueError(
-            f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
-            f"(measured from the body's residuals); got {slots}. Raise memory or use "
-            "policy='hsm' or 'auto'."
-        )
-    if policy != "auto":
-        return policy
-    return auto_policy(num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a))
-
-
-def choose_schedule(
-    num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str
-) -> Schedule:
-    """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
-
-    `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
-    """
-    policy = choose_policy(num_steps, slots, alpha, policy, name=name)
-    return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)
+from ..planning import (
+    Bytes as Bytes,
+    bytes_budget as bytes_budget,
+    choose_policy as choose_policy,
+    choose_schedule as choose_schedule,
+    internal_slots as internal_slots,
+    parse_memory as parse_memory,
+    to_slots as to_slots,
+)

@@ -8,6 +8,11 @@ Baselines, flat in this namespace and in ``memento``, each a replayed `Schedule`
 the same memory model: `store_all` (plain BPTT), `store_none`, `chen_sqrt`,
 `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports any
 schedule's memory saved and predicted time.
+
+Shared by the executors (JAX's and `memento.torch`): reading ``memory=`` (`parse_memory`,
+`bytes_budget`, `to_slots`), the paper's alpha from measured sizes (`internal_slots`),
+the schedule to run (`choose_schedule`), and two facts about rows: where the first sweep
+ends (`first_backward`) and how often each step is evaluated (`step_evaluations`).
 """
 
 from ._auto import (
@@ -27,7 +32,16 @@ from ._baselines import (
     store_all as store_all,
     store_none as store_none,
 )
-from ._chain import plan_chain as plan_chain
+from ._budget import (
+    Bytes as Bytes,
+    bytes_budget as bytes_budget,
+    choose_policy as choose_policy,
+    choose_schedule as choose_schedule,
+    internal_slots as internal_slots,
+    parse_memory as parse_memory,
+    to_slots as to_slots,
+)
+from ._chain import plan_chain as plan_chain, plan_chain_bytes as plan_chain_bytes
 from ._closed import (
     hsm_cost as hsm_cost,
     hsm_split as hsm_split,
@@ -52,6 +66,8 @@ from ._schedule import (
     Schedule as Schedule,
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
+    first_backward as first_backward,
     simulate as simulate,
     stack_depths as stack_depths,
+    step_evaluations as step_evaluations,
 )

@@ -52,7 +52,15 @@ import functools
 
 import numpy as np
 
-__all__ = ["Op", "Schedule", "ScheduleError", "SimulationResult", "stack_depths"]
+__all__ = [
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "first_backward",
+    "stack_depths",
+    "step_evaluations",
+]
 
 
 class Op(enum.IntEnum):
@@ -182,6 +190,40 @@ class Schedule:
         """The rows an executor runs: the schedule without FREE rows."""
         keep = (self.actions[:, 0] != Op.FREE_HIDDEN) & (self.actions[:, 0] != Op.FREE_INTERNAL)
         return self.actions[keep]
+
+
+def first_backward(actions: np.ndarray) -> int:
+    """Index of the first backward row (BACKWARD_FUSED or BACKWARD_INTERNAL) of ``actions``.
+
+    The rows before it are the first sweep, which executors run in the forward pass; that
+    row and the rest run in the backward pass (see the module docstring).
+
+    Raises:
+        ScheduleError: no row back-propagates a step.
+    """
+    actions = np.asarray(actions).reshape(-1, 3)
+    back = np.flatnonzero(
+        (actions[:, 0] == Op.BACKWARD_FUSED) | (actions[:, 0] == Op.BACKWARD_INTERNAL)
+    )
+    if len(back) == 0:
+        raise ScheduleError("memento.planning.first_backward: the rows back-propagate no step")
+    return int(back[0])
+
+
+def step_evaluations(schedule: Schedule) -> np.ndarray:
+    """How many times ``schedule`` evaluates each step: its ADVANCE, SAVE_INTERNAL and
+    BACKWARD_FUSED rows, first sweep included. Sums to ``schedule.cost`` for uniform steps.
+    """
+    counts = np.zeros(schedule.num_steps + 1, dtype=np.int64)
+    a = schedule.actions
+    op, arg, pos = a[:, 0], a[:, 1].astype(np.int64), a[:, 2].astype(np.int64)
+    adv = op == Op.ADVANCE  # steps pos .. pos+arg-1, as a difference array
+    np.add.at(counts, pos[adv], 1)
+    np.add.at(counts, pos[adv] + arg[adv], -1)
+    one = (op == Op.SAVE_INTERNAL) | (op == Op.BACKWARD_FUSED)
+    np.add.at(counts, pos[one], 1)
+    np.add.at(counts, pos[one] + 1, -1)
+    return np.cumsum(counts)[:-1]
 
 
 def _hidden_size(s: Schedule, pos: int) -> int:
