@@ -207,6 +207,7 @@ def chain_plan(
 _Run = make_function(_NAME)
 
 
+@torch.compiler.disable  # dynamo cannot trace the walker: a graph break, run eagerly
 def checkpoint_sequential(
     layers: Sequence[Callable] | torch.nn.Sequential,
     x: Any,

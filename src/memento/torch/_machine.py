@@ -9,6 +9,8 @@ keeps the result, a `Record`: the step's autograd graph holds its saved tensors 
 internal state, the paper's ISM slot) until ``torch.autograd.grad`` back-propagates
 it. BACKWARD_FUSED records the step from the current state and back-propagates it at
 once. FREE rows drop the references, so memory follows the schedule.
+A second backward pass through the same outputs (``retain_graph=True``, Jacobians,
+``gradcheck``) runs the first sweep again first: its stored states were freed.
 
 The first sweep (rows before `memento.planning.first_backward`) runs before the
 ``autograd.Function`` is applied, and produces the outputs; the rest runs in its
@@ -127,9 +129,12 @@ class Machine:
 
     # -- the rows ---------------------------------------------------------------------
 
-    def sweep(self) -> list:
+    def sweep(self, *, emit_ys: bool = True) -> list:
         """Runs the first sweep; returns the output state (every ``y`` emitted)."""
-        emit = self.steps.emit
+        self.cur, self.working = list(self.h0), None
+        self.hidden.clear()
+        self.internal.clear()
+        emit = self.steps.emit if emit_ys else (lambda p, y: None)
         for op, arg, pos in self.rows[: self.first + 1].tolist():
             if op == Op.ADVANCE:
                 for q in range(pos, pos + arg):
@@ -229,22 +234,23 @@ def make_function(name: str) -> type[torch.autograd.Function]:
     class Run(torch.autograd.Function):
         @staticmethod
         def forward(ctx, machine, outputs: Callable, grads: Callable, *inputs):
-            ctx.machine, ctx.grads = machine, grads
+            ctx.machine, ctx.grads, ctx.used = machine, grads, False
             outs = tuple(o.detach() for o in outputs(machine))
             ctx.mark_non_differentiable(*(o for o in outs if not is_float(o)))
             return outs
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx, *cts):
-            machine, grads = ctx.machine, ctx.grads
-            if machine is None:
-                raise RuntimeError(
-                    f"{name}: its backward pass ran once already and freed its stored "
-                    "states (as the schedule says); retain_graph=True cannot keep them. "
-                    "Call it again for a second backward pass."
+            if torch.is_grad_enabled():  # create_graph=True: the result would lack terms
+                raise NotImplementedError(
+                    f"{name}: its gradient is first order only; a backward pass with "
+                    "create_graph=True (a second derivative through the loop) is not "
+                    "supported. Use memory=None (plain autograd) for higher derivatives."
                 )
-            ctx.machine = None
+            machine, grads = ctx.machine, ctx.grads
+            if ctx.used:  # the states stored were freed: store them again
+                machine.sweep(emit_ys=False)
+            ctx.used = True
             return (None, None, None, *grads(machine, list(cts), ctx.needs_input_grad[3:]))
 
     Run.__name__ = Run.__qualname__ = name.replace(".", "_")

@@ -178,6 +178,7 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
 _Run = make_function(_NAME)
 
 
+@torch.compiler.disable  # dynamo cannot trace the walker: a graph break, run eagerly
 def scan(
     step: Callable[[Any, Any], tuple[Any, Any]],
     h0: Any,
