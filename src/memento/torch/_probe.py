@@ -83,6 +83,13 @@ class Closure(TorchFunctionMode):
             self._keep.append(t)
         return out
 
+    def __exit__(self, *exc):
+        # Let go of the step's intermediates at once (a reference cycle through the mode
+        # would keep them alive until the garbage collector runs).
+        self._keep.clear()
+        self._known.clear()
+        return super().__exit__(*exc)
+
     @property
     def tensors(self) -> list[torch.Tensor]:
         return list(self.found.values())
