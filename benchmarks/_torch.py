@@ -16,9 +16,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _tensors(obj):

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memento.torch
-import torch
 from _common import machine, write_json
 from _torch import peak_bytes, time_round_robin, torch_info
-from torch import nn
 
 RESULTS = Path(__file__).parent / "results" / "torch_chain.json"
 

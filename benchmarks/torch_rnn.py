@@ -24,10 +24,10 @@ import argparse
 import math
 from pathlib import Path
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 import memento.torch
-import torch
 from _common import machine, write_json
 from _torch import peak_bytes, time_round_robin, torch_info
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-import memento.torch
 import torch
+
+import memento.torch
 
 
 def inner_loss(theta, x, y):

@@ -21,9 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
-from torch.utils.flop_counter import FlopCounterMode
-
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..planning import (
     Bytes,

@@ -69,7 +69,7 @@ class _FwdRev(torch.autograd.Function):
 
             return torch.func.grad(loss_p, argnums=tuple(range(len(P))))(*(base[j] for j in P))
 
-        _, hvp = torch.func.jvp(grad_p, p, u)  # forward over reverse: Eq. 7-8
+        hvp = torch.func.jvp(grad_p, p, u)[1]  # forward over reverse: Eq. 7-8
         for j, g in zip(P, hvp):
             out[j] = g
         return (None, None, None, *out)

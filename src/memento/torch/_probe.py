@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
-
-from torch.overrides import TorchFunctionMode
+from typing import Any, cast
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+# torch's C module for functorch's wrappers (no public name tells a wrapper apart).
+_functorch: Any = getattr(torch._C, "_functorch")  # noqa: B009 (untyped in the stubs)
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -27,7 +29,7 @@ def refuse_functorch(name: str, leaves: Iterable[torch.Tensor]) -> None:
     custom ``autograd.Function``, which functorch's transforms cannot see through.
     """
     active = torch._C._are_functorch_transforms_active()
-    wrapped = any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
+    wrapped = any(_functorch.is_functorch_wrapped_tensor(t) for t in leaves)
     if active or wrapped:
         raise NotImplementedError(
             f"{name} does not run under torch.func transforms (grad, vjp, jvp, vmap, "
@@ -74,7 +76,7 @@ class Closure(TorchFunctionMode):
                     t.requires_grad
                     and id(t) not in self._known
                     and id(t) not in self.found
-                    and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+                    and not _functorch.is_functorch_wrapped_tensor(t)
                 ):
                     self.found[id(t)] = t
         out = func(*args, **kwargs)
@@ -134,9 +136,9 @@ class Storages:
                 if name.startswith("_saved_"):
                     with contextlib.suppress(RuntimeError):  # a value already freed
                         self.add(_tensors(getattr(node, name)))
-            if hasattr(node, "saved_tensors"):
+            if hasattr(node, "saved_tensors"):  # a custom autograd.Function's node
                 with contextlib.suppress(RuntimeError):
-                    self.add(_tensors(node.saved_tensors))
+                    self.add(_tensors(cast(Any, node).saved_tensors))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def bytes_except(self, *groups: Iterable[torch.Tensor]) -> int:

@@ -345,6 +345,7 @@ def scan_schedule(
     )
     if num_steps == 0:
         raise ValueError(f"{name}: xs has 0 steps; there is nothing to plan")
+    assert budget is not None
     schedule = _probe(loop, h_leaves, h_tree, budget, policy, name=name)[1]
     assert schedule is not None
     return schedule

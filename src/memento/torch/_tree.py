@@ -6,7 +6,7 @@ A small pytree of our own, so that `memento.torch` depends on no private torch m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,7 +38,9 @@ def _walk(t: Any, path: str, leaves: list, name: str, what: str) -> TreeDef:
         return (
             "namedtuple",
             type(t),
-            tuple(_walk(v, f"{path}.{f}", leaves, name, what) for f, v in zip(t._fields, t)),
+            tuple(
+                _walk(v, f"{path}.{f}", leaves, name, what) for f, v in zip(cast(Any, t)._fields, t)
+            ),
         )
     if isinstance(t, (tuple, list)):
         kind = "tuple" if isinstance(t, tuple) else "list"
