@@ -104,7 +104,7 @@ LIMITS = {
 def measure(method: str, T: int, memory: int = MEMORY) -> dict:
     # A first call plans and compiles its schedule: memento's caches must not carry a
     # plan over from another method at the same T.
-    memento.loops._budget._plan.cache_clear()
+    memento.planning._budget._plan.cache_clear()
     memento.loops._scan._compile.cache_clear()
     loss = make_loss(method, T, memory)
     c0 = jnp.ones(CARRY, jnp.float32)

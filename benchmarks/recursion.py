@@ -80,7 +80,7 @@ def scan_rows(out: list, cases: str = CASES) -> None:
         body, steps, memory = case.split(":")
         T = int(float(steps))
         for path in ("rows", "recursion"):
-            memento.loops._budget._plan.cache_clear()
+            memento.planning._budget._plan.cache_clear()
             _scan._compile.cache_clear()
             loss, arg = _scan_loss(body, T, int(memory), executor=path)
             grad, first = _common.first_call(jax.grad(loss), arg)

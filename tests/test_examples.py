@@ -26,6 +26,8 @@ EXAMPLES = {
     "maml.py": ("optax", TRANSFORMER),
     "meta_learning_rates.py": ("optax", TRANSFORMER),
     "loss_weighting.py": ("optax", TRANSFORMER),
+    # memento.torch's bilevel example (tests/torch/test_torch_fwdrev.py runs it too)
+    "torch_meta_lr.py": ("torch", ["--small"]),
 }
 
 

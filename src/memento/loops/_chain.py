@@ -12,14 +12,14 @@ Measuring (once per trace of the gradient, from the inputs it differentiates):
 
 - cost ``u_p``: the floating-point operations XLA counts for layer p
   (``jax.jit(...).lower(...).cost_analysis()["flops"]``, 1 where XLA reports none),
-  quantised to integers with the most expensive layer at `_COST_RESOLUTION`;
+  quantised to integers with the most expensive layer at 1000 units;
 - hidden size ``s_p``: bytes of ``x_p``;
 - internal size ``i_p``: bytes of ``x_p`` and ``x_{p+1}`` plus the residuals of
   ``jax.vjp`` of layer p that are neither (the leaves of the pullback it returns,
   each buffer counted once, closed-over parameters excluded: they are held anyway);
 - all three sizes are quantised into units of ``unit_bytes`` (rounded up, the budget
   rounded down, so the plan never exceeds the budget in bytes) with the budget at most
-  about `_SIZE_RESOLUTION` units: the planner's table has ``n^2 E / 2`` entries.
+  about 1000 units (`memento.planning.plan_chain_bytes`): the table has ``n^2 E / 2`` entries.
 
 Execution. Each layer is closure-converted (`_body.make_body`: parameters it closes
 over, Equinox module fields, ``functools.partial`` arguments, and tracers of enclosing
@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -83,8 +82,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from ..planning import Op, Schedule, plan_chain, step_evaluations, walk
-from ..planning._schedule import INITIAL
+from ..planning import INITIAL, Op, Schedule, plan_chain_bytes, step_evaluations, walk
 from ._body import (
     Body,
     Static,
@@ -101,14 +99,6 @@ __all__ = ["ChainPlan", "chain", "chain_plan", "scan_layers"]
 _NAME = "memento.chain"
 ChainPolicy = Literal["auto", "hsm", "msm"]
 _POLICIES = ("auto", "hsm", "msm")
-
-# The most expensive layer costs this many units: finer than any measured difference
-# that matters, and the planner's costs are int64 (no table grows with it).
-_COST_RESOLUTION = 1000
-# The budget in size units, at most: the planner fills n^2 (E + 1) / 2 table entries,
-# about a second at 4e6. Fewer units for long chains, never fewer than 16.
-_SIZE_RESOLUTION = 1000
-_MAX_TABLE = 4_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,25 +242,10 @@ def _budget_bytes(budget: int | Bytes, hidden: Sequence[int]) -> int:
 
 def _plan(bodies: Sequence[Body], budget: int | Bytes, policy: str) -> ChainPlan:
     hidden, internal, flops = _sizes(bodies)
-    n = len(bodies)
     total = _budget_bytes(budget, hidden)
-    if total < hidden[0]:
-        raise ValueError(
-            f"{_NAME}: a budget of {total} bytes cannot hold the input x_0 ({hidden[0]} "
-            f"bytes); the minimum is {hidden[0]} bytes (recompute every layer from x_0), "
-            "or memory=1 (one slot)."
-        )
-    # More than every state at once cannot help; the unit makes the budget at most
-    # `resolution` units so that the planner's table stays small.
-    useful = min(total, sum(hidden[:-1]) + sum(internal))
-    resolution = max(16, min(_SIZE_RESOLUTION, 2 * _MAX_TABLE // (n * n)))
-    unit = max(1, math.ceil(useful / resolution))
-    s = [max(1, math.ceil(h / unit)) for h in hidden]
-    i = [max(math.ceil(a / unit), s[p] + 1) for p, a in enumerate(internal)]
-    memory = max(min(total, useful + unit) // unit, s[0])
-    top = max(flops)
-    u = [max(1, round(_COST_RESOLUTION * f / top)) for f in flops]
-    schedule = plan_chain(u, s, i, memory, internal=policy != "hsm")
+    schedule, unit = plan_chain_bytes(
+        flops, hidden, internal, total, internal=policy != "hsm", name=_NAME
+    )
     return ChainPlan(schedule, unit, total, hidden, internal, flops)
 
 

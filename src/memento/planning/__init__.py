@@ -9,7 +9,12 @@ the same memory model: `store_all` (plain BPTT), `store_none`, `chen_sqrt`,
 `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt` reports any
 schedule's memory saved and predicted time. Executing a schedule: `walk` yields its rows
 checked and annotated, one row walk shared by `simulate`, `step_evaluations` and the
-executors that run rows one by one (`memento.chain`).
+executors that run rows one by one (`memento.chain`, `memento.torch`).
+
+Shared by the executors (JAX's and `memento.torch`): reading ``memory=`` (`parse_memory`,
+`bytes_budget`, `to_slots`), the paper's alpha from measured sizes (`internal_slots`),
+the schedule to run (`choose_schedule`), and where the first sweep ends
+(`first_backward`).
 """
 
 from ._auto import (
@@ -29,7 +34,16 @@ from ._baselines import (
     store_all as store_all,
     store_none as store_none,
 )
-from ._chain import plan_chain as plan_chain
+from ._budget import (
+    Bytes as Bytes,
+    bytes_budget as bytes_budget,
+    choose_policy as choose_policy,
+    choose_schedule as choose_schedule,
+    internal_slots as internal_slots,
+    parse_memory as parse_memory,
+    to_slots as to_slots,
+)
+from ._chain import plan_chain as plan_chain, plan_chain_bytes as plan_chain_bytes
 from ._closed import (
     hsm_cost as hsm_cost,
     hsm_split as hsm_split,
@@ -50,12 +64,14 @@ from ._online import (
     online_events as online_events,
 )
 from ._schedule import (
+    INITIAL as INITIAL,
     Op as Op,
     Row as Row,
     Schedule as Schedule,
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
     Walk as Walk,
+    first_backward as first_backward,
     simulate as simulate,
     stack_depths as stack_depths,
     step_evaluations as step_evaluations,

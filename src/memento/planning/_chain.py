@@ -24,6 +24,7 @@ working state is not charged, as in the paper's RNN sections and the simulator.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -33,7 +34,7 @@ from ._dp import _leaf_rows, _split
 from ._msm import _BIG
 from ._schedule import _FUSED, _LOAD_H, Schedule
 
-__all__ = ["plan_chain"]
+__all__ = ["plan_chain", "plan_chain_bytes"]
 
 _NONE, _HID, _INT, _ONE = 0, 1, 2, 3  # choices: nothing, hidden push, internal push, fused
 _MAX_CELLS = 30_000_000  # n^2 (E+1) / 2 table entries; beyond this planning takes minutes
@@ -233,3 +234,64 @@ def plan_chain(
         internal_sizes=i,
         forward_costs=u,
     )
+
+
+# Quantisation of measured chains (`plan_chain_bytes`). The most expensive layer costs
+# this many units: finer than any measured difference that matters.
+_COST_RESOLUTION = 1000
+# The budget in size units, at most: the table has n^2 (E + 1) / 2 entries, about a
+# second at 4e6. Fewer units for long chains, never fewer than 16.
+_SIZE_RESOLUTION = 1000
+_MAX_TABLE = 4_000_000
+
+
+def plan_chain_bytes(
+    costs: Sequence[float],
+    hidden_bytes: Sequence[int],
+    internal_bytes: Sequence[int],
+    memory_bytes: int,
+    *,
+    internal: bool = True,
+    name: str = "memento.planning.plan_chain_bytes",
+) -> tuple[Schedule, int]:
+    """`plan_chain` for a measured chain: real-valued costs, sizes and budget in bytes.
+
+    What the executors of chains (`memento.chain`, `memento.torch.checkpoint_sequential`)
+    plan with. Costs are quantised to integers with the most expensive step at 1000
+    units; sizes into units of ``unit_bytes`` (rounded up, the budget rounded down, so the
+    plan never exceeds the budget in bytes), the budget at most about 1000 units (fewer
+    for long chains) so that the table stays small. A budget above what storing every
+    state takes is capped there.
+
+    Args:
+        costs: n > 0 measured costs (flops, seconds), one per step.
+        hidden_bytes: n + 1 byte sizes of ``h_0 .. h_n``.
+        internal_bytes: n byte sizes of each step's internal state, its input and output
+            included (as `plan_chain`'s ``internal_sizes``).
+        memory_bytes: the budget in bytes, ``h_0`` included.
+        internal: as `plan_chain`.
+        name: the public function named in error messages.
+
+    Returns:
+        ``(schedule, unit_bytes)``: the plan, its sizes in units of ``unit_bytes``.
+
+    Raises:
+        ValueError: a budget below the size of ``h_0`` (the message names the minimum).
+    """
+    n = len(costs)
+    hidden = [int(h) for h in hidden_bytes]
+    if memory_bytes < hidden[0]:
+        raise ValueError(
+            f"{name}: a budget of {memory_bytes} bytes cannot hold the input x_0 ({hidden[0]} "
+            f"bytes); the minimum is {hidden[0]} bytes (recompute every layer from x_0), "
+            "or memory=1 (one slot)."
+        )
+    useful = min(memory_bytes, sum(hidden[:-1]) + sum(int(i) for i in internal_bytes))
+    resolution = max(16, min(_SIZE_RESOLUTION, 2 * _MAX_TABLE // (n * n)))
+    unit = max(1, math.ceil(useful / resolution))
+    s = [max(1, math.ceil(h / unit)) for h in hidden]
+    i = [max(math.ceil(a / unit), s[p] + 1) for p, a in enumerate(internal_bytes)]
+    memory = max(min(memory_bytes, useful + unit) // unit, s[0])
+    top = max(max(float(c) for c in costs), 1e-300)
+    u = [max(1, round(_COST_RESOLUTION * float(c) / top)) for c in costs]
+    return plan_chain(u, s, i, memory, internal=internal), unit

@@ -75,12 +75,14 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 
 __all__ = [
+    "INITIAL",
     "Op",
     "Row",
     "Schedule",
     "ScheduleError",
     "SimulationResult",
     "Walk",
+    "first_backward",
     "stack_depths",
     "step_evaluations",
     "walk",
@@ -485,6 +487,24 @@ def step_evaluations(schedule: Schedule) -> np.ndarray:
         if row.steps:
             counts[row.steps.start : row.steps.stop] += 1
     return counts
+
+
+def first_backward(actions: np.ndarray) -> int:
+    """Index of the first backward row (BACKWARD_FUSED or BACKWARD_INTERNAL) of ``actions``.
+
+    The rows before it are the first sweep, which executors run in the forward pass; that
+    row and the rest run in the backward pass (see the module docstring).
+
+    Raises:
+        ScheduleError: no row back-propagates a step.
+    """
+    actions = np.asarray(actions).reshape(-1, 3)
+    back = np.flatnonzero(
+        (actions[:, 0] == Op.BACKWARD_FUSED) | (actions[:, 0] == Op.BACKWARD_INTERNAL)
+    )
+    if len(back) == 0:
+        raise ScheduleError("memento.planning.first_backward: the rows back-propagate no step")
+    return int(back[0])
 
 
 def _hidden_size(s: Schedule, pos: int) -> int:

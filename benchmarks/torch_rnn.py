@@ -1,0 +1,151 @@
+"""`memento.torch.scan` against PyTorch's own checkpointing, on an ``nn.LSTMCell`` loop.
+
+The question (issue 22): at 5% and 25% of plain autograd's memory, how fast is the
+gradient through a long LSTM loop with memento's optimal schedule, next to what PyTorch
+offers: plain autograd (store everything), ``torch.utils.checkpoint`` on every step
+(stores the carry of every step, recomputes each step once), and ``sqrt(T)`` segments
+(``torch.utils.checkpoint`` on segments of ~sqrt(T) steps). All in one process, float32
+on CPU, forward and backward of ``loss = h_T.sum()``.
+
+Memory: peak live tensor bytes during the forward and backward pass, above the inputs
+and parameters (``_torch.LiveBytes``: a dispatch mode that counts every storage an
+operation creates until it is freed). memento's budget is that fraction of plain
+autograd's measured peak, in bytes (``memory="...B"``). Time: median of round-robin runs,
+one thread.
+Also the paper's headline (Gruslys et al. 2016): t = 1000 at 5% memory, about 1.33x the
+time of plain BPTT.
+
+    python benchmarks/torch_rnn.py [--steps 4096] [--batch 16] [--hidden 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import memento.torch
+from _common import machine, write_json
+from _torch import peak_bytes, time_round_robin, torch_info
+
+RESULTS = Path(__file__).parent / "results" / "torch_rnn.json"
+
+
+def methods(cell, xs, h0, fractions, plain_peak):
+    def plain():
+        h = h0
+        for x in xs:
+            h = cell(x, h)
+        h[0].sum().backward()
+
+    def every_step():
+        h = h0
+        for x in xs:
+            h = checkpoint(cell, x, h, use_reentrant=False)
+        h[0].sum().backward()
+
+    seg = max(1, round(math.sqrt(len(xs))))
+
+    def segment(h, c, xs_seg):
+        hc = (h, c)
+        for x in xs_seg:
+            hc = cell(x, hc)
+        return hc
+
+    def sqrt_segments():
+        h = h0
+        for s in range(0, len(xs), seg):
+            h = checkpoint(segment, *h, xs[s : s + seg], use_reentrant=False)
+        h[0].sum().backward()
+
+    def step(hc, x):
+        return cell(x, hc), None
+
+    out = {
+        "plain": plain,
+        "checkpoint every step": every_step,
+        f"sqrt(T) segments ({seg})": sqrt_segments,
+    }
+    budgets = {}
+    for f in fractions:
+        memory = f"{int(f * plain_peak)}B"
+        budgets[f"memento {f:.0%}"] = memory
+
+        def run(memory=memory):
+            (h, _), _ = memento.torch.scan(step, h0, xs, memory=memory)
+            h.sum().backward()
+
+        out[f"memento {f:.0%}"] = run
+    return out, budgets, step
+
+
+def bench(steps, batch, hidden, fractions, repeats):
+    torch.manual_seed(0)
+    cell = torch.nn.LSTMCell(hidden, hidden)
+    xs = torch.randn(steps, batch, hidden)
+    h0 = (torch.zeros(batch, hidden), torch.zeros(batch, hidden))
+    existing = [xs, *h0, *cell.parameters()]
+
+    def zero():
+        for p in cell.parameters():
+            p.grad = None
+
+    calls, budgets, step = methods(cell, xs, h0, fractions, 1)  # plain first, to size budgets
+    zero()
+    plain_peak = peak_bytes(calls["plain"], existing)
+    calls, budgets, step = methods(cell, xs, h0, fractions, plain_peak)
+    rows = {}
+    for name, call in calls.items():
+        zero()
+        rows[name] = {"peak_bytes": plain_peak if name == "plain" else peak_bytes(call, existing)}
+        if name in budgets:
+            s = memento.torch.scan_schedule(step, h0, xs, memory=budgets[name])
+            rows[name].update(
+                budget=budgets[name],
+                policy=s.policy,
+                alpha=s.alpha,
+                slots=s.memory,
+                cost_per_step=s.cost / steps,
+            )
+    times = time_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
+    for name, row in rows.items():
+        row["time_s"] = times[name]
+        row["memory_ratio"] = row["peak_bytes"] / plain_peak
+        row["time_ratio"] = times[name] / times["plain"]
+        print(
+            f"T={steps:5d} {name:26s} peak {row['peak_bytes'] / 2**20:8.2f} MiB "
+            f"({row['memory_ratio']:6.1%})  time {times[name]:7.3f} s ({row['time_ratio']:.2f}x)",
+            flush=True,
+        )
+    return {"steps": steps, "batch": batch, "hidden": hidden, "methods": rows}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # a shared machine: one thread each, steadier times
+    runs = [
+        bench(args.steps, args.batch, args.hidden, (0.05, 0.25), args.repeats),
+        bench(1000, args.batch, args.hidden, (0.05,), args.repeats),  # the paper's headline
+    ]
+    write_json(
+        RESULTS,
+        {
+            "machine": machine(),
+            "torch": torch_info(),
+            "memory": "peak live tensor bytes (benchmarks/_torch.py)",
+            "runs": runs,
+        },
+    )
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""memento for PyTorch: optimal checkpointing of loops and layer stacks, and MixFlow-MG.
+
+An optional extra (``pip install "memento[torch]"``); the only part of memento that
+imports torch (``import memento`` stays NumPy only). The schedules are
+`memento.planning`'s, walked row by row as the JAX executors walk them:
+
+- `scan`: a recurrent loop ``h, y = step(h, x)`` whose gradient follows `memento.plan`'s
+  optimal HSM / ISM / MSM schedule for a budget in slots or bytes;
+- `checkpoint_sequential`: the optimal replacement for
+  ``torch.utils.checkpoint.checkpoint_sequential``, planned with `memento.plan_chain` from
+  each layer's measured cost and sizes;
+- `fwdrev_grad`: ``torch.func.grad`` whose backward pass runs forward-over-reverse
+  (MixFlow-MG, Listing 2 of Kemaev et al. 2025, made correct).
+"""
+
+from ._chain import (
+    ChainPlan as ChainPlan,
+    chain_plan as chain_plan,
+    checkpoint_sequential as checkpoint_sequential,
+)
+from ._fwdrev import fwdrev_grad as fwdrev_grad
+from ._scan import scan as scan, scan_schedule as scan_schedule

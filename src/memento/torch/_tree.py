@@ -1,0 +1,84 @@
+"""Nested tuples, lists, dicts (and namedtuples) of tensors, flattened to lists of leaves.
+
+A small pytree of our own, so that `memento.torch` depends on no private torch module.
+``None`` is an empty subtree (a step may return ``(h, None)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+# A treedef: ("leaf",), ("none",), ("tuple", children), ("list", children),
+# ("namedtuple", type, children) or ("dict", keys, children).
+TreeDef = tuple
+
+
+def flatten(tree: Any, *, name: str, what: str) -> tuple[list[torch.Tensor], TreeDef]:
+    """The tensor leaves of ``tree`` in order, and its structure.
+
+    Raises:
+        TypeError: a leaf that is not a tensor (``name``: the public function, ``what``:
+            the argument, for the message).
+    """
+    leaves: list[torch.Tensor] = []
+    return leaves, _walk(tree, "", leaves, name, what)
+
+
+# Module-level recursion: a nested recursive function would be a reference cycle holding
+# the leaves (activations) until the garbage collector runs.
+def _walk(t: Any, path: str, leaves: list, name: str, what: str) -> TreeDef:
+    if isinstance(t, torch.Tensor):
+        leaves.append(t)
+        return ("leaf",)
+    if t is None:
+        return ("none",)
+    if isinstance(t, tuple) and hasattr(t, "_fields"):
+        return (
+            "namedtuple",
+            type(t),
+            tuple(
+                _walk(v, f"{path}.{f}", leaves, name, what) for f, v in zip(cast(Any, t)._fields, t)
+            ),
+        )
+    if isinstance(t, (tuple, list)):
+        kind = "tuple" if isinstance(t, tuple) else "list"
+        return (kind, tuple(_walk(v, f"{path}[{i}]", leaves, name, what) for i, v in enumerate(t)))
+    if isinstance(t, dict):
+        keys = tuple(t)
+        return (
+            "dict",
+            keys,
+            tuple(_walk(t[k], f"{path}[{k!r}]", leaves, name, what) for k in keys),
+        )
+    raise TypeError(
+        f"{name}: {what}{path} is a {type(t).__name__}, not a tensor; {what} must be a "
+        "tensor or nested tuples, lists and dicts of tensors (wrap numbers with "
+        "torch.tensor)"
+    )
+
+
+def unflatten(treedef: TreeDef, leaves: list) -> Any:
+    """The inverse of `flatten`."""
+    return _build(treedef, iter(leaves))
+
+
+def _build(d: TreeDef, it) -> Any:
+    kind = d[0]
+    if kind == "leaf":
+        return next(it)
+    if kind == "none":
+        return None
+    if kind == "tuple":
+        return tuple(_build(c, it) for c in d[1])
+    if kind == "list":
+        return [_build(c, it) for c in d[1]]
+    if kind == "namedtuple":
+        return d[1](*(_build(c, it) for c in d[2]))
+    return {k: _build(c, it) for k, c in zip(d[1], d[2])}
+
+
+def describe(leaves: list[torch.Tensor]) -> list[tuple]:
+    """(shape, dtype) of each leaf, for structure checks and messages."""
+    return [(tuple(t.shape), t.dtype) for t in leaves]

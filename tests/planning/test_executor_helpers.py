@@ -1,0 +1,63 @@
+"""The NumPy helpers every executor shares: budgets, where the sweep ends, evaluations
+per step, and plan_chain_bytes. No jax here."""
+
+import numpy as np
+import pytest
+
+import memento
+from memento import planning
+from memento.planning import Op
+
+
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+@pytest.mark.parametrize("t", [1, 2, 17, 200])
+def test_step_evaluations_sum_to_cost_and_first_backward_ends_the_sweep(policy, t):
+    for m in (3, 5, 40):
+        s = memento.plan(t, m, policy=policy, alpha=None if policy == "hsm" else 3)
+        counts = planning.step_evaluations(s)
+        assert counts.sum() == s.cost and (counts >= 1).all() and counts[-1] == 1
+        first = planning.first_backward(s.actions)
+        assert first == s.simulate().sweep_length
+        assert s.actions[first, 0] in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL)
+        sweep = s.actions[:first]
+        assert not np.isin(sweep[:, 0], [Op.LOAD_HIDDEN, Op.LOAD_INTERNAL]).any()
+
+
+def test_step_evaluations_brute_force_and_first_backward_error():
+    s = memento.plan(30, 4)
+    brute = np.zeros(30, int)
+    for op, arg, pos in s.actions.tolist():
+        if op == Op.ADVANCE:
+            brute[pos : pos + arg] += 1
+        elif op in (Op.SAVE_INTERNAL, Op.BACKWARD_FUSED):
+            brute[pos] += 1
+    assert planning.step_evaluations(s).tolist() == brute.tolist()
+    with pytest.raises(planning.ScheduleError, match="back-propagate no step"):
+        planning.first_backward(np.array([[Op.ADVANCE, 1, 0]]))
+
+
+def test_plan_chain_bytes_fits_the_byte_budget():
+    costs = [3.0e6, 1.0, 5.0e5, 2.5e6]
+    hidden = [4096, 16384, 16384, 1024, 64]
+    internal = [40000, 40000, 20000, 3000]
+    for budget in [4096, 10000, 30000, 10**9]:
+        s, unit = planning.plan_chain_bytes(costs, hidden, internal, budget)
+        s.simulate()
+        # Sizes round up to units, the budget down; only h_0's own rounding may exceed it.
+        floor = s.hidden_sizes[0] * unit
+        assert s.memory * unit <= max(budget, floor) and s.peak_memory <= s.memory
+    everything, _ = planning.plan_chain_bytes(costs, hidden, internal, 10**9)
+    assert planning.step_evaluations(everything).tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot hold the input x_0 \\(4096 bytes\\)"):
+        planning.plan_chain_bytes(costs, hidden, internal, 4000, name="f")
+
+
+def test_budget_helpers():
+    assert planning.parse_memory("1.5KiB", name="f") == planning.Bytes(1536)
+    assert planning.parse_memory(7, name="f") == 7
+    assert planning.to_slots(planning.bytes_budget(100), 32, name="f") == 3
+    assert planning.internal_slots(40, 32) == 3
+    with pytest.raises(ValueError, match="cannot hold even one carry of 64 bytes"):
+        planning.to_slots(planning.Bytes(10), 64, name="f")
+    s = planning.choose_schedule(50, 6, 3, "auto", name="f")
+    assert s.memory == 6 and s.policy in ("hsm", "ism", "msm")
