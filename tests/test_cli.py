@@ -165,12 +165,12 @@ def test_missing_matplotlib_hint(capsys, tmp_path, monkeypatch):
     assert code == 1 and out == ""
     assert (
         err
-        == 'memento curves: needs matplotlib, which is not installed: pip install "memento[plot]"\n'
+        == 'memento curves: needs matplotlib, which is not installed: pip install "memento-jax[plot]"\n'
     )
     assert not (tmp_path / "figs").exists()
     argv = ["plan", "--steps", "5", "--memory", "2", "--policy", "hsm", "--plot", "x.png"]
     code, _, err = run(capsys, *argv)
-    assert code == 1 and 'pip install "memento[plot]"' in err
+    assert code == 1 and 'pip install "memento-jax[plot]"' in err
 
 
 def test_missing_jax_hint(capsys, monkeypatch):
@@ -178,7 +178,7 @@ def test_missing_jax_hint(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)
     code, _, err = run(capsys, "demo", "--quick")
     assert code == 1
-    assert err == 'memento demo: needs jax, which is not installed: pip install "memento[jax]"\n'
+    assert err == 'memento demo: needs jax, which is not installed: pip install "memento-jax[jax]"\n'
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def _missing(error: ModuleNotFoundError) -> str | None:
     root = (error.name or "").partition(".")[0]
     if root not in _EXTRAS:
         return None
-    return f'needs {root}, which is not installed: pip install "memento[{_EXTRAS[root]}]"'
+    return f'needs {root}, which is not installed: pip install "memento-jax[{_EXTRAS[root]}]"'
 
 
 def _slots(args) -> int:
