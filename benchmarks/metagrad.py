@@ -1,6 +1,6 @@
 """Meta-gradients: memento's mixed mode (MixFlow-MG) against JAX's default autodiff.
 
-Parts (seed 004): 1. the toy task (Eq. 9) over M, scan and unrolled; 2. the three
+Parts (MixFlow-MG): 1. the toy task (Eq. 9) over M, scan and unrolled; 2. the three
 bilevel tasks on a small transformer across sizes; 3. static memory against the number
 of inner steps T, with a `memento.scan` budget. Writes benchmarks/results/metagrad.json
 and prints Markdown tables. Never run by pytest.

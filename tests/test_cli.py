@@ -178,7 +178,9 @@ def test_missing_jax_hint(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)
     code, _, err = run(capsys, "demo", "--quick")
     assert code == 1
-    assert err == 'memento demo: needs jax, which is not installed: pip install "memento-jax[jax]"\n'
+    assert (
+        err == 'memento demo: needs jax, which is not installed: pip install "memento-jax[jax]"\n'
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ Not library code: these modules print, time and draw. ``memento demo``, ``mement
 apps -> meta -> loops -> planning; nothing in the library imports this package.
 
 - `memento.apps.demo`: the LSTM of ``memento demo`` and ``benchmarks/rnn.py``.
-- `memento.apps.tasks`: seed 004's three bilevel tasks on the small transformer.
-- `memento.apps.toy`: seed 004's toy meta-learning task (Eq. 9).
+- `memento.apps.tasks`: MixFlow-MG's three bilevel tasks on the small transformer.
+- `memento.apps.toy`: MixFlow-MG's toy meta-learning task (Eq. 9).
 - `memento.apps.bench`: the meta-gradient benchmark of ``memento bench metagrad``.
 - `memento.apps.plotting`: the paper's figures (NumPy data, matplotlib drawing).
 

@@ -3,7 +3,7 @@
 Dynamic memory is XLA's temp allocation of the compiled meta-gradient
 (``memory_analysis().temp_size_in_bytes``: exact, deterministic, CPU-friendly); time is
 the median of repeated runs after compilation. Ratios are default / memento, measured
-in one process, so higher is better (seed 004, Eq. 10-11).
+in one process, so higher is better (MixFlow-MG, Eq. 10-11).
 
 `main` runs part 1 (the toy task) for ``memento bench metagrad``; the script
 ``benchmarks/metagrad.py`` runs all three parts.
@@ -61,7 +61,7 @@ def _with_ratios(rows: list[dict], key: Sequence[str]) -> list[dict]:
 
 # ---------------------------------------------------------------------------- part 1
 def toy_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
-    """Seed 004's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
+    """MixFlow-MG's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
     from .toy import make_toy_task
 
     rows = []

@@ -252,7 +252,9 @@ def main(args) -> int:
 
     small = min(DEMO_FRACTIONS)
     if importlib.util.find_spec("matplotlib") is None:  # the [plot] extra is optional
-        print('\n(no schedule picture: matplotlib is not installed; pip install "memento-jax[plot]")')
+        print(
+            '\n(no schedule picture: matplotlib is not installed; pip install "memento-jax[plot]")'
+        )
     else:
         from .plotting import plot_schedule
 

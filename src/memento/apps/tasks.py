@@ -1,4 +1,4 @@
-"""The three bilevel tasks of seed 004 (section 5.2) on the plain-JAX transformer.
+"""The three bilevel tasks of MixFlow-MG (section 5.2) on the plain-JAX transformer.
 
 - ``"learning_rates"``: eta holds per-parameter log learning rates of the inner Adam
   (hyperparameter learning, Bengio 2000; Maclaurin et al. 2015).

@@ -1,4 +1,6 @@
-"""Mixed-mode meta-gradients (MixFlow-MG, seed 004) and bilevel helpers.
+"""Mixed-mode meta-gradients (MixFlow-MG) and bilevel helpers.
+
+MixFlow-MG: Kemaev et al. 2025, "Scalable Meta-Learning via Mixed-Mode Differentiation".
 
 - `fwdrev_grad`: ``jax.grad`` whose VJP (Hessian- and mixed-derivative-vector products)
   runs forward-over-reverse, reverse-over-forward or reverse-over-reverse.
