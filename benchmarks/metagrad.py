@@ -9,9 +9,12 @@ and prints Markdown tables. Never run by pytest.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from memento.apps import bench as _bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memento_bench import metagrad as _bench
 
 
 def main() -> None:

@@ -6,19 +6,24 @@ noise, which does not help the validation loss; the script prints the mean weigh
 clean and of noise sequences as meta-training goes. eta appears only inside the inner
 loss, so its meta-gradient is made of mixed second derivatives d2L/(dtheta deta),
 computed forward-over-reverse. The task is
-`memento.apps.tasks.make_task("loss_weighting", ...)`, the one the benchmarks time.
+`memento_bench.tasks.make_task("loss_weighting", ...)`, the one the benchmarks time.
 
     python examples/loss_weighting.py [--outer-steps 20] [--small]
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+# The task and its transformer live with the benchmarks (not in the memento package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from memento.apps.tasks import make_task, sequence_weights, task_batches
-from memento.meta import transformer as tfm
+from memento_bench import transformer as tfm
+from memento_bench.tasks import make_task, sequence_weights, task_batches
 
 CONFIG = tfm.TransformerConfig(vocab_size=32, seq_len=32, d_model=32, num_heads=2, num_layers=2)
 SMALL = tfm.TransformerConfig(vocab_size=16, seq_len=8, d_model=8, num_heads=2, num_layers=1)

@@ -4,6 +4,11 @@ from pathlib import Path
 
 import pytest
 
+# The examples' helpers and the benchmarks' models and tasks (memento_bench) are not part
+# of the memento package; the tests import them from the checkout.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT / "benchmarks"), str(_ROOT / "examples")]
+
 # Every executable XLA:CPU compiles holds memory maps, and a process may hold at most
 # vm.max_map_count of them (65530 by default). One suite compiles thousands of programs:
 # the conformance file alone reached 36,000 maps, and the whole suite crashed XLA's

@@ -10,7 +10,6 @@ Thin by design: it parses arguments, calls the library and prints. Examples::
     memento plan-chain --json chain.json --rows
     memento curves --steps 1000 --out figures/
     memento demo --quick
-    memento bench metagrad --quick --json metagrad.json
 
 Bad values exit with status 2 and the library's message on stderr; a missing optional
 dependency exits with status 1 and the ``pip install`` that adds it. Progress of long
@@ -432,13 +431,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="toy sizes, a few seconds")
     p.set_defaults(handler=_delegate("memento.apps.demo", "demo"))
-
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    p = bench.add_parser("metagrad", help="meta-gradient benchmark (memento.meta)")
-    p.add_argument("--quick", action="store_true", help="small sizes")
-    p.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
-    p.set_defaults(handler=_delegate("memento.apps.bench", "bench metagrad"))
     return parser
 
 

@@ -7,12 +7,9 @@ MixFlow-MG: Kemaev et al. 2025, "Scalable Meta-Learning via Mixed-Mode Different
 - `inner_loop`: T optax steps on an inner loss, differentiable w.r.t. meta-parameters,
   with per-step rematerialisation that saves inner gradients and an optional
   `memento.scan` memory budget across steps.
-- `transformer`: the small plain-JAX decoder-only transformer of the examples and
-  benchmarks.
 """
 
-from . import _transformer as transformer
 from ._bilevel import inner_loop as inner_loop
 from ._fwdrev import fwdrev_grad as fwdrev_grad
 
-__all__ = ["fwdrev_grad", "inner_loop", "transformer"]
+__all__ = ["fwdrev_grad", "inner_loop"]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..meta import inner_loop
+from memento.meta import inner_loop
 
 LEARNING_RATE = 1e-3
 

@@ -48,7 +48,7 @@ class TransformerConfig:
     def __post_init__(self):
         if self.d_model % self.num_heads:
             raise ValueError(
-                f"memento.meta.transformer.TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}."
+                f"memento_bench.transformer.TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}."
             )
 
     @property
