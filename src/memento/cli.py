@@ -101,10 +101,10 @@ def _slots(args) -> int:
             "one carry, one slot) to turn it into slots, or pass a number of slots."
         )
     # memento.scan's own reading of sizes (NumPy only, but its package imports jax).
-    from .loops import _budget as budget
+    from .loops import parse_memory, to_slots
 
     name = "memento plan --memory"
-    return budget.to_slots(budget.parse_memory(args.memory, name=name), args.carry_bytes, name=name)
+    return to_slots(parse_memory(args.memory, name=name), args.carry_bytes, name=name)
 
 
 def _schedule(args, slots: int):

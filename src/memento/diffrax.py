@@ -36,8 +36,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .loops._budget import Bytes, parse_memory
-from .loops._while import _Buffer as _StandIn, while_loop
+from .loops import Buffer as _StandIn, Bytes, parse_memory, while_loop
 
 __all__ = ["CheckpointAdjoint"]
 
