@@ -580,8 +580,8 @@ def cost_table(
             ``policy``, ``alpha``, ``beta``; ``memory`` units are `plan`'s.
 
     Returns:
-        float64 array of shape ``(max_steps + 1, max_memory + 1)``: entry ``[t, m]`` is
-        C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
+        A float64 array of shape ``(max_steps + 1, max_memory + 1)`` whose entry ``[t, m]``
+        is C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
 
     Raises:
         ValueError: as `plan`'s, ``policy="auto"`` (no single table), and a table estimated to take more than two minutes or
