@@ -125,7 +125,7 @@ def plan_only(T: int) -> dict:
     """plan(T, 100) alone: seconds, or the up-front refusal."""
     start = time.perf_counter()
     try:
-        s = memento.plan(T, MEMORY)
+        s = memento.plan(T, MEMORY, policy="hsm")
     except ValueError as e:
         return {"T": T, "refused": str(e), "seconds": time.perf_counter() - start}
     return {"T": T, "seconds": time.perf_counter() - start, "rows": len(s.actions)}

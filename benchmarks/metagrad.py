@@ -1,6 +1,6 @@
 """Meta-gradients: memento's mixed mode (MixFlow-MG) against JAX's default autodiff.
 
-Parts (seed 004): 1. the toy task (Eq. 9) over M, scan and unrolled; 2. the three
+Parts (MixFlow-MG): 1. the toy task (Eq. 9) over M, scan and unrolled; 2. the three
 bilevel tasks on a small transformer across sizes; 3. static memory against the number
 of inner steps T, with a `memento.scan` budget. Writes benchmarks/results/metagrad.json
 and prints Markdown tables. Never run by pytest.
@@ -9,9 +9,12 @@ and prints Markdown tables. Never run by pytest.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-from memento.apps import bench as _bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memento_bench import metagrad as _bench
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 For c slots and every loop length n, the forward evaluations of the online policy
 (checkpoints placed while the loop runs, the rest planned once n is known; replayed by
 `memento.planning.online_evaluations`, which a test checks against the executor's
-counted evaluations) divided by the offline optimum ``memento.plan(n, c).cost``.
+counted evaluations) divided by the offline optimum ``memento.plan(n, c, policy="hsm").cost``.
 
     python benchmarks/online_policy.py [--max-steps 10000] [--slots 8 16 30]
 

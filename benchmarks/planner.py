@@ -171,7 +171,7 @@ def main() -> None:
         lambda: memento.plan_chain([1, 2] * 50, [1] * 101, [4, 3] * 50, 40), max(1, repeats // 3)
     )
     record("plan_chain(100 steps, budget 40)", seconds, cost=s.cost)
-    seconds, r = median_time(lambda: memento.plan(10_000, 20).simulate(), 1)
+    seconds, r = median_time(lambda: memento.plan(10_000, 20, policy="hsm").simulate(), 1)
     record("simulate(plan(10_000, 20))", seconds, forward_evaluations=r.forward_evaluations)
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

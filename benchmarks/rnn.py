@@ -490,11 +490,11 @@ def evaluate_targets(size: dict, statistic: str = "median") -> list[dict]:
     out.append(
         {
             "target": f"2. memento time within {MODEL_TOLERANCE:.0%} of the plan's model "
-            f"(cost-A)*t_f + A*t_a + T*t_b [{label}]",
+            f"`(cost-A)*t_f + A*t_a + T*t_b` [{label}]",
             "pass": all(abs(r - 1) <= MODEL_TOLERANCE for _, r in ratios),
             "detail": "measured/model: "
             + ", ".join(f"{n.split(' (')[0]} {r:.2f}" for n, r in ratios)
-            + f" (worst {worst[0]}: {worst[1]:.2f}); against the plain cost*t_f + T*t_b: "
+            + f" (worst {worst[0]}: {worst[1]:.2f}); against the plain `cost*t_f + T*t_b`: "
             + ", ".join(f"{r['time_vs_plain']:.2f}" for r in budgets),
         }
     )
@@ -536,7 +536,7 @@ def markdown(results: dict) -> str:
     lines.append(
         "memory: XLA temp bytes of the jitted gradient; time: median of "
         f"{results['sizes'][0]['repeats']} round-robin runs; evals: forward step evaluations "
-        "per step; model: (cost - A)*t_forward + A*t_advance + T*t_backward (cost = evals*T; A: "
+        "per step; model: `(cost - A)*t_forward + A*t_advance + T*t_backward` (`cost = evals*T`; A: "
         "re-computed carry-only steps, memento only); error: max relative error of "
         "the gradient against lax.scan."
     )

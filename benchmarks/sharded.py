@@ -46,7 +46,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 import memento
-from memento.loops._hlo import loop_collectives
+from memento_bench.hlo import loop_collectives
 
 # -- workloads: (params, init, xs, step, shardings) ------------------------------------
 

@@ -1,4 +1,6 @@
-"""Seed 003's bounded-while-loop comparison, measured: time, compile size, memory, counts.
+"""The comparison of Equinox's design note "Bounded while loop" (Kidger), measured.
+
+Time, compile size, memory and evaluation counts of each implementation.
 
 Methods (max_steps m = b**d, b = 16, d = 3 unless told otherwise):
 
@@ -8,7 +10,7 @@ Methods (max_steps m = b**d, b = 16, d = 3 unless told otherwise):
 - ``sqrt_checkpoint``: a scan of sqrt(m) blocks, each a ``jax.checkpoint`` of a scan-cond
   of sqrt(m) steps;
 - ``nested_checkpoint``: as ``nested_scan_cond`` with ``jax.checkpoint`` around each
-  nested block (seed 003's implementation 5);
+  nested block (the note's implementation 5);
 - ``equinox``: ``equinox.internal.while_loop(kind="checkpointed", checkpoints=c)``;
 - ``memento``: ``memento.while_loop(max_steps=m, memory=c)``, with the same c.
 

@@ -16,9 +16,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from _sequences import example_arguments, max_difference
 
 import memento
-from memento.apps.sequences import example_arguments, max_difference
 
 T1 = 10.0
 

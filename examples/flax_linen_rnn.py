@@ -12,9 +12,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from _sequences import example_arguments, noisy_sines, report_check
 
 import memento
-from memento.apps.sequences import example_arguments, noisy_sines, report_check
 
 HIDDEN = 32
 

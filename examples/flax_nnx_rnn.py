@@ -13,10 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from _sequences import example_arguments, noisy_sines, report_check
 from flax import nnx
 
 import memento
-from memento.apps.sequences import example_arguments, noisy_sines, report_check
 
 HIDDEN = 32
 

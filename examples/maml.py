@@ -3,18 +3,23 @@
 eta is the inner loop's starting point, theta_0 = eta; each outer step adapts a copy to
 T inner batches with Adam and moves eta to lower the adapted model's validation loss.
 The meta-gradient runs forward-over-reverse (memento.meta.inner_loop's default). The
-task itself is `memento.apps.tasks.make_task("maml", ...)`, the one the benchmarks time.
+task itself is `memento_bench.tasks.make_task("maml", ...)`, the one the benchmarks time.
 
     python examples/maml.py [--outer-steps 20] [--small]
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+# The task and its transformer live with the benchmarks (not in the memento package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import jax
 import optax
 
-from memento.apps.tasks import make_task, task_batches
-from memento.meta import transformer as tfm
+from memento_bench import transformer as tfm
+from memento_bench.tasks import make_task, task_batches
 
 CONFIG = tfm.TransformerConfig(vocab_size=32, seq_len=32, d_model=32, num_heads=2, num_layers=2)
 SMALL = tfm.TransformerConfig(vocab_size=16, seq_len=8, d_model=8, num_heads=2, num_layers=1)

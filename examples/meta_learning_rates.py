@@ -4,19 +4,24 @@ eta holds one log learning rate per parameter entry; the inner optimiser is Adam
 direction scaled by exp(eta), so the optimiser itself depends on eta: inner_loop takes
 a function eta -> optax transformation. Each outer step trains a fresh model for T inner
 steps and moves eta to lower its validation loss. The task is
-`memento.apps.tasks.make_task("learning_rates", ...)`, the one the benchmarks time.
+`memento_bench.tasks.make_task("learning_rates", ...)`, the one the benchmarks time.
 
     python examples/meta_learning_rates.py [--outer-steps 20] [--small]
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+# The task and its transformer live with the benchmarks (not in the memento package).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from memento.apps.tasks import make_task, task_batches
-from memento.meta import transformer as tfm
+from memento_bench import transformer as tfm
+from memento_bench.tasks import make_task, task_batches
 
 CONFIG = tfm.TransformerConfig(vocab_size=32, seq_len=32, d_model=32, num_heads=2, num_layers=2)
 SMALL = tfm.TransformerConfig(vocab_size=16, seq_len=8, d_model=8, num_heads=2, num_layers=1)

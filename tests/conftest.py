@@ -10,6 +10,11 @@ import pytest
 # slightly wrong gradient. MEMENTO_CHECKS=0 runs it as users do by default.
 os.environ.setdefault("MEMENTO_CHECKS", "1")
 
+# The examples' helpers and the benchmarks' models and tasks (memento_bench) are not part
+# of the memento package; the tests import them from the checkout.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(_ROOT / "benchmarks"), str(_ROOT / "examples")]
+
 # Every executable XLA:CPU compiles holds memory maps, and a process may hold at most
 # vm.max_map_count of them (65530 by default). One suite compiles thousands of programs:
 # the conformance file alone reached 36,000 maps, and the whole suite crashed XLA's
@@ -17,6 +22,16 @@ os.environ.setdefault("MEMENTO_CHECKS", "1")
 # the process holds many maps.
 _MAPS = Path("/proc/self/maps")
 _MAX_MAPS = 20_000
+
+
+def pytest_runtest_setup(item):
+    """JAX before 0.6 had ``jax.enable_x64`` as ``jax.experimental.enable_x64``: the tests
+    use the new name, and .ci/run runs a subset at the oldest JAX pyproject allows."""
+    jax = sys.modules.get("jax")
+    if jax is not None and not hasattr(jax, "enable_x64"):
+        from jax.experimental import enable_x64
+
+        jax.enable_x64 = enable_x64
 
 
 @pytest.fixture(autouse=True)

@@ -165,12 +165,12 @@ def test_missing_matplotlib_hint(capsys, tmp_path, monkeypatch):
     assert code == 1 and out == ""
     assert (
         err
-        == 'memento curves: needs matplotlib, which is not installed: pip install "memento[plot]"\n'
+        == 'memento curves: needs matplotlib, which is not installed: pip install "memento-jax[plot]"\n'
     )
     assert not (tmp_path / "figs").exists()
     argv = ["plan", "--steps", "5", "--memory", "2", "--policy", "hsm", "--plot", "x.png"]
     code, _, err = run(capsys, *argv)
-    assert code == 1 and 'pip install "memento[plot]"' in err
+    assert code == 1 and 'pip install "memento-jax[plot]"' in err
 
 
 def test_missing_jax_hint(capsys, monkeypatch):
@@ -178,7 +178,9 @@ def test_missing_jax_hint(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)
     code, _, err = run(capsys, "demo", "--quick")
     assert code == 1
-    assert err == 'memento demo: needs jax, which is not installed: pip install "memento[jax]"\n'
+    assert (
+        err == 'memento demo: needs jax, which is not installed: pip install "memento-jax[jax]"\n'
+    )
 
 
 @pytest.mark.parametrize(
@@ -236,19 +238,15 @@ def test_hooks_dispatch_lazily(capsys, monkeypatch):
     fake.main = lambda args: calls.append(("demo", args.steps, args.out, args.quick))
     monkeypatch.setitem(sys.modules, "memento.apps.demo", fake)
     assert cli.main(["demo", "--steps", "7", "--out", "d", "--quick"]) == 0
-    fake = type(sys)("memento.apps.bench")
-    fake.main = lambda args: calls.append(("bench", args.quick, args.json)) or 0
-    monkeypatch.setitem(sys.modules, "memento.apps.bench", fake)
-    assert cli.main(["bench", "metagrad", "--json", "r.json"]) == 0
-    assert calls == [("demo", 7, "d", True), ("bench", False, "r.json")]
+    assert calls == [("demo", 7, "d", True)]
 
 
 def test_hooks_missing_module(capsys, monkeypatch):
     # A module that cannot be imported: the hook says so and exits non-zero.
-    monkeypatch.setitem(sys.modules, "memento.apps.bench", None)
-    code, _, err = run(capsys, "bench", "metagrad", "--quick")
+    monkeypatch.setitem(sys.modules, "memento.apps.demo", None)
+    code, _, err = run(capsys, "demo", "--quick")
     assert code == 1
-    assert "memento bench metagrad: not available" in err and "memento.apps.bench" in err
+    assert "memento demo: not available" in err and "memento.apps.demo" in err
 
 
 def test_python_m_memento_and_light_import():

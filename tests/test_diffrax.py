@@ -272,4 +272,4 @@ def test_import_memento_stays_free_of_diffrax_and_hints_without_it():
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert 'pip install "memento[diffrax]"' in out.stdout
+    assert 'pip install "memento-jax[diffrax]"' in out.stdout

@@ -49,7 +49,7 @@ _LAZY = {
     "fwdrev_grad": ("memento.meta", "fwdrev_grad"),
     "meta": ("memento.meta", None),
     "loops": ("memento.loops", None),
-    # needs Diffrax (pip install "memento[diffrax]"); the ImportError says so
+    # needs Diffrax (pip install "memento-jax[diffrax]"); the ImportError says so
     "diffrax": ("memento.diffrax", None),
 }
 

@@ -11,7 +11,6 @@ Thin by design: it parses arguments, calls the library and prints. Examples::
     memento plan-chain --json chain.json --rows
     memento curves --steps 1000 --out figures/
     memento demo --quick
-    memento bench metagrad --quick --json metagrad.json
 
 Bad values exit with status 2 and the library's message on stderr; a missing optional
 dependency exits with status 1 and the ``pip install`` that adds it. Progress of long
@@ -38,17 +37,22 @@ _PROGRESS_AFTER_S = 2.0  # plans estimated to take longer show their progress on
 
 
 def _progress_bar(label: str):
-    """A `plan` progress callback that redraws one line on stderr."""
+    """A `plan` progress callback for stderr: a percentage redrawn in place on a terminal;
+    piped into a file, only the start and the end, one line each (no carriage returns)."""
 
     shown = [-1]
+    live = sys.stderr.isatty()
 
     def show(fraction: float) -> None:
         percent = int(100 * fraction)
-        if percent == shown[0]:
+        if percent == shown[0] or (not live and 0 < percent < 100 and shown[0] >= 0):
             return
         shown[0] = percent
-        end = "\n" if fraction >= 1.0 else ""
-        print(f"\r{label}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
+        if live:
+            end = "\n" if fraction >= 1.0 else ""
+            print(f"\r{label}: {percent:3d}%", end=end, file=sys.stderr, flush=True)
+        else:
+            print(f"{label}: {'done' if percent >= 100 else '...'}", file=sys.stderr, flush=True)
 
     return show
 
@@ -80,7 +84,7 @@ def _missing(error: ModuleNotFoundError) -> str | None:
     root = (error.name or "").partition(".")[0]
     if root not in _EXTRAS:
         return None
-    return f'needs {root}, which is not installed: pip install "memento[{_EXTRAS[root]}]"'
+    return f'needs {root}, which is not installed: pip install "memento-jax[{_EXTRAS[root]}]"'
 
 
 def _slots(args) -> int:
@@ -98,10 +102,10 @@ def _slots(args) -> int:
             "one carry, one slot) to turn it into slots, or pass a number of slots."
         )
     # memento.scan's own reading of sizes (NumPy only, but its package imports jax).
-    from .loops import _budget as budget
+    from .loops import parse_memory, to_slots
 
     name = "memento plan --memory"
-    return budget.to_slots(budget.parse_memory(args.memory, name=name), args.carry_bytes, name=name)
+    return to_slots(parse_memory(args.memory, name=name), args.carry_bytes, name=name)
 
 
 def _schedule(args, slots: int):
@@ -508,23 +512,44 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "curves",
         help="reproduce Figures 2a, 5a, 5b, 6 and 7 of the paper (PNG and CSV)",
+        description="Redraw Figures 2a, 5a, 5b, 6 and 7 of Gruslys et al. (2016): forward"
+        " evaluations per step of HSM, ISM and MSM against the sequence length, at budgets"
+        " of 10 to 1000 slots, and against Chen's sqrt(t) checkpointing. Writes a PNG and"
+        " the CSV of its data per figure. NumPy plans; drawing needs matplotlib.",
     )
-    p.add_argument("--steps", type=int, default=1000, help="longest sequence (default 1000)")
-    p.add_argument("--out", default="memento-curves", help="output folder")
+    p.add_argument(
+        "--steps", type=int, default=1000, help="longest sequence t (default 1000, about 3 s)"
+    )
+    p.add_argument(
+        "--out",
+        default="memento-curves",
+        metavar="DIR",
+        help="output folder, created if missing (default: memento-curves)",
+    )
     p.set_defaults(handler=_curves)
 
-    p = sub.add_parser("demo", help="run the JAX demo (memento.loops)")
-    p.add_argument("--steps", type=int, default=None, help="sequence length")
-    p.add_argument("--out", default=None, metavar="DIR", help="output folder")
-    p.add_argument("--quick", action="store_true", help="small sizes")
+    p = sub.add_parser(
+        "demo",
+        help="the gradient of an LSTM under a memory budget (needs jax)",
+        description="Compile the gradient of an LSTM over many steps with lax.scan, with"
+        " jax.checkpoint per step and with memento.scan at 5% and 25% of the memory of"
+        " storing every carry; print each one's memory, time, forward evaluations per step"
+        " and gradient error, and draw the schedule memento ran (with matplotlib).",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="sequence length T (default 4096; 64 with --quick)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the schedule picture goes (default: memento-demo)",
+    )
+    p.add_argument("--quick", action="store_true", help="toy sizes, a few seconds")
     p.set_defaults(handler=_delegate("memento.apps.demo", "demo"))
-
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    p = bench.add_parser("metagrad", help="meta-gradient benchmark (memento.meta)")
-    p.add_argument("--quick", action="store_true", help="small sizes")
-    p.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
-    p.set_defaults(handler=_delegate("memento.apps.bench", "bench metagrad"))
     return parser
 
 

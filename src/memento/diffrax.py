@@ -30,14 +30,13 @@ from collections.abc import Callable
 try:
     import diffrax
 except ImportError as e:  # pragma: no cover - exercised only without diffrax
-    raise ImportError('memento.diffrax needs Diffrax: pip install "memento[diffrax]"') from e
+    raise ImportError('memento.diffrax needs Diffrax: pip install "memento-jax[diffrax]"') from e
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .loops._budget import Bytes, parse_memory
-from .loops._while import _Buffer as _StandIn, while_loop
+from .loops import Buffer as _StandIn, Bytes, parse_memory, while_loop
 
 __all__ = ["CheckpointAdjoint"]
 
@@ -96,7 +95,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         ``RecursiveCheckpointAdjoint`` with as many checkpoints (measured with 200 save
         times, ``tests/test_diffrax.py``); a small ``saves_per_step`` removes both.
 
-        Supported Diffrax versions: those of the ``memento[diffrax]`` extra (0.7.x). The
+        Supported Diffrax versions: those of the ``memento-jax[diffrax]`` extra (0.7.x). The
         adjoint hands its loops to ``AbstractAdjoint``'s solve loop (``self._loop``), the
         extension point Diffrax's own adjoints use.
 

@@ -38,7 +38,9 @@ def test_demo_without_matplotlib_skips_the_picture(tmp_path, capsys, monkeypatch
     args = types.SimpleNamespace(steps=8, out=str(tmp_path / "demo"), quick=True)
     assert _demo.main(args) == 0
     out = capsys.readouterr().out
-    assert 'no schedule picture: matplotlib is not installed; pip install "memento[plot]"' in out
+    assert (
+        'no schedule picture: matplotlib is not installed; pip install "memento-jax[plot]"' in out
+    )
     assert "less memory than lax.scan" in out  # the summary still comes after the table
     assert not (tmp_path / "demo").exists()
 

@@ -57,7 +57,7 @@ def make_problem(seed=0, num_steps=T):
 
 
 def reference_meta_loss(eta, batches, val):
-    """Algorithm 1 of seed 004, written as a Python loop with jax.grad."""
+    """Algorithm 1 of MixFlow-MG, written as a Python loop with jax.grad."""
     opt = make_optimizer(eta)
     params = eta["init"]
     state = opt.init(params)

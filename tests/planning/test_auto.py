@@ -25,7 +25,7 @@ def test_auto_is_the_least_predicted_work(t, m, alpha):
 def test_predicted_work_charges_internal_states():
     s = plan(10, 10, policy="ism")
     assert predicted_work(s) == s.cost + 10 * INTERNAL_STATE_CHARGE
-    assert predicted_work(plan(10, 4)) == plan(10, 4).cost
+    assert predicted_work(plan(10, 4, policy="hsm")) == plan(10, 4, policy="hsm").cost
 
 
 def test_auto_defaults_alpha_to_one():

@@ -15,7 +15,7 @@ def test_hsm_is_optimal_over_all_schedules():
     for t in range(1, T + 1):
         for m in range(1, M + 1):
             best = search(t, m, hidden=True, internal=False, fused=True, counts_initial=True)
-            assert best == table[t][m] == plan(t, m).cost, (t, m)
+            assert best == table[t][m] == plan(t, m, policy="hsm").cost, (t, m)
 
 
 def test_ism_is_optimal_over_all_schedules():

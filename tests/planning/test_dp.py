@@ -172,10 +172,10 @@ def test_cost_is_monotone(policy, alpha, beta):
 
 def test_hsm_boundaries():
     for t in range(1, 30):
-        assert plan(t, 1).cost == t * (t + 1) // 2
+        assert plan(t, 1, policy="hsm").cost == t * (t + 1) // 2
         for m in range(max(1, t - 1), t + 3):
-            assert plan(t, m).cost == 2 * t - 1
-        assert plan(t, 1).counts_initial
+            assert plan(t, m, policy="hsm").cost == 2 * t - 1
+        assert plan(t, 1, policy="hsm").counts_initial
 
 
 def test_ism_boundaries():
@@ -207,7 +207,7 @@ def test_every_plan_replays_on_a_grid():
     hsm, ism = ref.hsm_table(30, 8), ref.ism_table(30, 8)
     for t in range(1, 31):
         for m in range(1, 9):
-            s = plan(t, m)
+            s = plan(t, m, policy="hsm")
             _replays(s, m)
             assert s.cost == hsm[t][m]
             saves = s.actions[s.actions[:, 0] == Op.SAVE_HIDDEN, 1]
@@ -240,7 +240,7 @@ def test_every_msm_plan_replays_on_a_grid(alpha, beta):
 )
 def test_random_plans_replay(t, m, policy, alpha, data):
     if policy == "hsm":
-        s = plan(t, m)
+        s = plan(t, m, policy="hsm")
     elif policy == "ism":
         s = plan(t, max(m, alpha), policy="ism", alpha=alpha)
         m = max(m, alpha)
@@ -252,7 +252,7 @@ def test_random_plans_replay(t, m, policy, alpha, data):
 
 
 def test_long_loops_need_no_recursion_and_stay_small():
-    s = plan(100_000, 3)
+    s = plan(100_000, 3, policy="hsm")
     assert s.cost == _closed.hsm_cost(100_000, 3)
     # The schedule holds its rows only: a few per step, not t * m table entries.
     assert len(s.actions) < 12 * 100_000
@@ -262,13 +262,13 @@ def test_long_loops_need_no_recursion_and_stay_small():
 
 
 def test_first_sweep_is_a_prefix():
-    s = plan(50, 6)
+    s = plan(50, 6, policy="hsm")
     sweep = s.actions[: simulate(s).sweep_length]
     assert set(sweep[:, 0].tolist()) <= {0, 1}  # ADVANCE and SAVE_HIDDEN only
 
 
 def test_repr_and_counts():
-    s = plan(10, 4)
+    s = plan(10, 4, policy="hsm")
     assert "cost=24" in repr(s) and s.cost == 24
 
 
@@ -284,7 +284,12 @@ def test_repr_and_counts():
         ((True, 4), {}, TypeError, r"num_steps must be an int, got True \(bool\)"),
         ((10, "4"), {}, TypeError, r"memory must be an int, got '4'"),
         ((10, 4), {"policy": "abc"}, ValueError, r"unknown policy 'abc'; pass one of 'auto'"),
-        ((10, 4), {"alpha": 2}, ValueError, r"alpha/beta .* apply to policy='ism' or 'msm'"),
+        (
+            (10, 4),
+            {"policy": "hsm", "alpha": 2},
+            ValueError,
+            r"alpha/beta .* apply to policy='ism' or 'msm'",
+        ),
         ((10, 4), {"policy": "msm"}, ValueError, r"policy='msm' needs alpha"),
         ((10, 4), {"policy": "msm", "alpha": 0}, ValueError, r"alpha must be >= 1, got 0"),
         ((10, 4), {"policy": "msm", "alpha": 2, "beta": 3}, ValueError, r"1 <= beta <= alpha=2"),

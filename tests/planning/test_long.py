@@ -32,7 +32,7 @@ def test_progress_is_reported_up_to_one(policy, alpha):
 
 
 def test_planned_rows_are_int32_and_peak_needs_no_replay():
-    s = plan(200_000, 30)
+    s = plan(200_000, 30, policy="hsm")
     assert s.actions.dtype == np.int32
     assert "_replay" not in s.__dict__  # peak_memory did not replay
     assert s.peak_memory == 30

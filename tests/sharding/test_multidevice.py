@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import memento
-from memento.loops._hlo import loop_collectives
+from memento_bench.hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (tests/test_sharding.py provides them)"

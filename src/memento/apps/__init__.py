@@ -1,16 +1,14 @@
-"""Applications built on memento: the demo, the benchmarks' tasks and the figures.
+"""What the command line runs besides the planner: the demo and the figures.
 
-Not library code: these modules print, time and draw. ``memento demo``, ``memento bench``,
-``memento curves`` and ``memento plan --plot`` (see `memento.cli`), the scripts in
-``benchmarks/`` and the examples in ``examples/`` use them. Dependencies point one way:
-apps -> meta -> loops -> planning; nothing in the library imports this package.
+Not library code: these modules print, time and draw. ``memento demo``, ``memento curves``
+and ``memento plan --plot`` (see `memento.cli`) use them, and so do a few scripts in
+``benchmarks/``. Dependencies point one way: apps -> loops -> planning; nothing in the
+library imports this package. The benchmarks' models and tasks are not in the package:
+``benchmarks/memento_bench``.
 
 - `memento.apps.demo`: the LSTM of ``memento demo`` and ``benchmarks/rnn.py``.
-- `memento.apps.tasks`: seed 004's three bilevel tasks on the small transformer.
-- `memento.apps.toy`: seed 004's toy meta-learning task (Eq. 9).
-- `memento.apps.bench`: the meta-gradient benchmark of ``memento bench metagrad``.
 - `memento.apps.plotting`: the paper's figures (NumPy data, matplotlib drawing).
 
-Importing this package imports nothing; each module loads what it needs (jax for all but
-``plotting``, which needs only NumPy until it draws).
+Importing this package imports nothing; each module loads what it needs (jax for the
+demo; ``plotting`` needs only NumPy until it draws).
 """

@@ -26,8 +26,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..loops import scan, scan_schedule
-from ..loops._body import make_body, nbytes
-from ..loops._budget import internal_slots
 from ..planning import Schedule
 
 # (steps, hidden, batch). The default takes about a minute on two busy CPU cores.
@@ -92,17 +90,14 @@ def memory_slots(fraction: float, num_steps: int) -> int:
     return max(1, round(fraction * num_steps))
 
 
-def step_sizes(step: Callable, params, xs, init) -> tuple[int, int]:
-    """``(carry_bytes, alpha)`` of ``lambda c, x: step(params, c, x)``, as `memento.scan`
-    measures them for a gradient in ``params``: alpha is an internal state (the residuals
-    of the step differentiated in the closed-over parameters only, and the output carry)
-    in carry-sized slots."""
-    x_example = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
-    body = make_body(lambda c, x: step(params, c, x), init, x_example, name="memento demo")
-    n_init, n_x = len(body.carry_avals), len(body.x_avals)
-    body = body.restrict([True] * len(body.consts), [False] * n_init, [False] * n_x)
-    carry_bytes = nbytes(body.carry_avals)
-    return carry_bytes, internal_slots(nbytes(body.residual_spec().stored), carry_bytes)
+def measured_alpha(step: Callable, params, xs, init) -> int:
+    """Alpha of ``lambda c, x: step(params, c, x)`` as `memento.scan` measures it for a
+    gradient in ``params``: an internal state (the residuals of the step differentiated in
+    the closed-over parameters only, and the output carry) in carry-sized slots. Read from
+    the ISM schedule `memento.loops.scan_schedule` plans, which needs the measurement."""
+    f = lambda c, x: step(params, c, x)  # noqa: E731
+    memory = 64 * len(xs)  # any budget that fits one internal state
+    return scan_schedule(f, init, xs, memory=memory, policy="ism", wrt=("closure",)).alpha
 
 
 def schedule_for(step: Callable, params, xs, init, memory) -> Schedule:
@@ -241,7 +236,7 @@ def main(args) -> int:
         print("  ".join(cells))
         if n == 0:
             print("  ".join("-" * w for w in widths))
-    _, alpha = step_sizes(lstm_step, *data)
+    alpha = measured_alpha(lstm_step, *data)
     chosen = ", ".join(f"{schedules[f].policy.upper()} at {f:.0%}" for f in DEMO_FRACTIONS)
     print(
         "\nmemory: XLA's temporary buffers of the compiled gradient; grad error: max relative "
@@ -252,7 +247,9 @@ def main(args) -> int:
 
     small = min(DEMO_FRACTIONS)
     if importlib.util.find_spec("matplotlib") is None:  # the [plot] extra is optional
-        print('\n(no schedule picture: matplotlib is not installed; pip install "memento[plot]")')
+        print(
+            '\n(no schedule picture: matplotlib is not installed; pip install "memento-jax[plot]")'
+        )
     else:
         from .plotting import plot_schedule
 

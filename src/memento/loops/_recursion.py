@@ -83,7 +83,7 @@ def _binomials(slots: int, max_t: int) -> tuple[np.ndarray, np.ndarray]:
         lengths[open_] += 1
         columns.append((w, open_, last[open_]))
         open_ = open_[last[open_] < max_t]
-    offsets = np.cumsum([0, 0, level_2 + 1, *lengths])[:-1]  # offsets[m], m = 0..slots
+    offsets = np.cumsum(np.array([0, 0, level_2 + 1, *lengths]))[:-1]  # offsets[m], m = 0..slots
     table = np.ones(int(offsets[-1] + lengths[-1]), np.int64)  # column 0: B(m, 0) = 1
     table[: level_2 + 1] = np.arange(1, level_2 + 2)  # row 1: B(1, w) = w + 1
     for w, rows, values in columns:

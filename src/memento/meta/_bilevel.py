@@ -1,6 +1,6 @@
 """`inner_loop`: T steps of an optax optimiser, differentiable w.r.t. meta-parameters.
 
-The inner loop of seed 004's Eq. 3 with its reparameterisation (Eq. 4, Algorithm 2):
+The inner loop of MixFlow-MG's Eq. 3 with its reparameterisation (Eq. 4, Algorithm 2):
 the update ``Upsilon(grad L_i, theta_i, upsilon_i, eta, x_i)`` receives the inner gradient
 as an argument, and that gradient comes from `fwdrev_grad`, so the meta-gradient's
 Hessian and mixed-derivative products run forward-over-reverse.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..planning import Policy
 
 _NAME = "memento.meta.inner_loop"
-# The checkpoint name of the inner gradient (seed 004, Listing 3).
+# The checkpoint name of the inner gradient (MixFlow-MG, Listing 3).
 INNER_GRADS = "memento_inner_grads"
 
 
@@ -88,7 +88,7 @@ def inner_loop(
         remat: Rematerialise each inner step in the outer backward pass, storing only
             its inputs (and the inner gradient, see below): the static memory is the
             per-step checkpoints instead of every activation.
-        save_inner_grads: With `remat`, also store each step's inner gradient (seed 004,
+        save_inner_grads: With `remat`, also store each step's inner gradient (MixFlow-MG,
             section 4), so the outer backward pass does not redo the inner backward.
         memory: A `memento.scan` budget across the inner steps: an ``int`` number of
             slots the size of the loop state ``(params, optimiser state)``, or bytes such
@@ -106,7 +106,7 @@ def inner_loop(
             transformation.
 
     References:
-        Kemaev et al. 2025 (seed 004): Algorithm 2, section 4, appendix A.2.
+        Kemaev et al. 2025, "Scalable Meta-Learning via Mixed-Mode Differentiation": Algorithm 2, section 4, appendix A.2.
     """
     check_mode(mode, _NAME)
     if not callable(inner_loss):

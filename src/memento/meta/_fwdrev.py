@@ -4,11 +4,11 @@ A bilevel update differentiates through an inner gradient ``g = dL/dtheta``. The
 cotangent ``v`` that reaches ``g`` from the outer loss must be pulled back through it:
 ``v @ d2L/dtheta2`` (a vector-Hessian product, VHP) for the parameters and
 ``v @ d2L/(dtheta d eta)`` (a vector-mixed-derivative product, VMP) for anything else
-``L`` depends on (seed 004, Eq. 6). ``jax.grad`` of ``jax.grad`` computes both
+``L`` depends on (MixFlow-MG, Eq. 6). ``jax.grad`` of ``jax.grad`` computes both
 reverse-over-reverse: it keeps the activations of the inner backward pass alive until
 the outer backward pass, which dominates the dynamic memory of a meta-gradient.
 
-Both matrices are symmetric blocks of one Hessian (Schwarz, seed 004 Eq. 7-8), so the
+Both matrices are symmetric blocks of one Hessian (Schwarz, MixFlow-MG Eq. 7-8), so the
 VJP equals a Jacobian-vector product of the gradient map itself:
 ``u^T H[A, P] = (H[P, A] u)^T`` where ``A`` are the differentiated arguments and ``P``
 every input that needs a cotangent. Forward-over-reverse evaluates it as
@@ -81,7 +81,7 @@ def fwdrev_grad(
     - ``"revrev"``: reverse-over-reverse; the function is plain ``jax.grad`` and JAX
       differentiates it as it does by default (the baseline).
 
-    The first two rest on the symmetry of the Hessian (seed 004, Eq. 7-8), so `loss_fn`
+    The first two rest on the symmetry of the Hessian (MixFlow-MG, Eq. 7-8), so `loss_fn`
     must be twice continuously differentiable (as neural network losses are almost
     everywhere). Cotangents are only computed for inputs that are actually
     differentiated by the caller: an inner batch costs nothing.
@@ -120,7 +120,7 @@ def fwdrev_grad(
 
     References:
         Kemaev et al. 2025, "Scalable Meta-Learning via Mixed-Mode Differentiation"
-        (seed 004), section 3 and Listing 1.
+        (MixFlow-MG), section 3 and Listing 1.
     """
     if not callable(loss_fn):
         raise TypeError(f"memento.fwdrev_grad: loss_fn must be callable, got {loss_fn!r}.")
@@ -238,7 +238,7 @@ def _second_order(value, flat, a_idx, p_idx, u, mode):
     a0 = tuple(flat[i] for i in a_idx)
     p0 = tuple(flat[j] for j in p_idx)
     if mode == "fwdrev":
-        # Seed 004 Eq. 7-8: JVP(VJP(e, L), u). Tangent u enters at the A leaves.
+        # MixFlow-MG Eq. 7-8: JVP(VJP(e, L), u). Tangent u enters at the A leaves.
         def grad_p(a):
             base = _replace(flat, a_idx, a)
 

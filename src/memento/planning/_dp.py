@@ -147,7 +147,7 @@ def plan_estimate(
     num_steps: int,
     memory: int,
     *,
-    policy: Policy = "hsm",
+    policy: Policy = "auto",
     alpha: int | None = None,
     beta: int | None = None,
 ) -> tuple[float, int]:
@@ -434,7 +434,7 @@ def plan(
     num_steps: int,
     memory: int,
     *,
-    policy: Policy = "hsm",
+    policy: Policy = "auto",
     alpha: int | None = None,
     beta: int | None = None,
     progress: Progress | None = None,
@@ -448,16 +448,18 @@ def plan(
     included), under the memory budget, by the dynamic programs of Gruslys et al. (2016).
     Pick ``"hsm"`` when only the carry is cheap to keep, ``"msm"`` when the step's
     residuals are at most ``alpha`` times the carry (it is never worse than HSM), and
-    ``"ism"`` to reproduce the paper's internal-state model. ``"auto"`` is what
-    `memento.scan` runs: of the three, the plan with the least predicted work (forward
-    evaluations plus a small charge per internal state stored, `predicted_work`).
+    ``"ism"`` to reproduce the paper's internal-state model. ``"auto"``, the default, is
+    what `memento.scan` runs: of the three, the plan with the least predicted work
+    (forward evaluations plus a small charge per internal state stored,
+    `predicted_work`); give the ``alpha`` that `memento.scan` measures (slots per internal
+    state) to get its plan.
 
     Args:
         num_steps: t, the number of steps (>= 1).
         memory: m, the budget in slots of one hidden state (the paper's m). For ``"hsm"``
             and ``"msm"`` it includes ``h_0``; for ``"ism"`` it counts ``memory // alpha``
             internal-state slots and ``h_0`` is free, as in the paper's section 3.2.
-        policy: ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
+        policy: ``"auto"`` (the default, as `memento.scan`, below), ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
             ``"ism"`` (section 3.2: internal states only, C(t,m) = t for m >= t) or
             ``"msm"`` (sections 3.3-3.4: either, per push), or ``"auto"``: the HSM, ISM
             or MSM (with ``beta = alpha``) plan of least `predicted_work`; MSM only
@@ -512,9 +514,11 @@ def plan(
 
     Examples:
         >>> import memento
-        >>> s = memento.plan(10, 4)
+        >>> s = memento.plan(10, 4, policy="hsm")
         >>> s.cost, s.simulate().forward_evaluations
         (24, 24)
+        >>> memento.plan(10, 4).policy  # "auto" with alpha=1: internal states are cheap
+        'ism'
         >>> memento.plan(1000, 50, policy="ism").cost_per_step
         1.95
         >>> memento.plan(1000, 50, policy="auto", alpha=3).policy
@@ -616,8 +620,8 @@ def cost_table(
             ``policy``, ``alpha``, ``beta``; ``memory`` units are `plan`'s.
 
     Returns:
-        float64 array of shape ``(max_steps + 1, max_memory + 1)``: entry ``[t, m]`` is
-        C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
+        A float64 array of shape ``(max_steps + 1, max_memory + 1)`` whose entry ``[t, m]``
+        is C(t, m) (exact below 2**53), ``np.inf`` where no schedule fits, row 0 zeros.
 
     Raises:
         ValueError: as `plan`'s, ``policy="auto"`` (no single table), and a table estimated to take more than two minutes or

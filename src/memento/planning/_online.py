@@ -7,7 +7,7 @@ for it. Once n is known the backward pass reverses the segments between kept car
 last first, each with the slots the earlier segments leave free, by the HSM recursion
 (`hsm_cost`, `hsm_split`): segment i (0-based, in position order) gets ``memory - i``
 slots, its base included. Total forward evaluations, the quantity compared with the
-offline optimum ``plan(n, memory).cost``::
+offline optimum ``plan(n, memory, policy="hsm").cost``::
 
     n + sum_i C_hsm(L_i, memory - i),       L_i = length of segment i.
 

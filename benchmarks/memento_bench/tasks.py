@@ -1,4 +1,4 @@
-"""The three bilevel tasks of seed 004 (section 5.2) on the plain-JAX transformer.
+"""The three bilevel tasks of MixFlow-MG (section 5.2) on the plain-JAX transformer.
 
 - ``"learning_rates"``: eta holds per-parameter log learning rates of the inner Adam
   (hyperparameter learning, Bengio 2000; Maclaurin et al. 2015).
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..meta import inner_loop
-from ..meta._transformer import (
+from memento.meta import inner_loop
+
+from .transformer import (
     TransformerConfig,
     apply,
     init_params,
@@ -49,7 +50,7 @@ def task_batches(
 
     Returns:
         ``{"train": [num_steps, batch_size, seq_len + 1], "val": [batch_size, seq_len + 1]}``
-        token ids (`memento.meta.transformer.synthetic_tokens`).
+        token ids (`memento_bench.transformer.synthetic_tokens`).
     """
     k_train, k_val = jax.random.split(key)
     tokens_shape = (batch_size, config.seq_len + 1)
@@ -95,7 +96,7 @@ def make_task(
     """
     if task not in TASKS:
         raise ValueError(
-            f"memento.apps.tasks.make_task: task must be one of {TASKS}, got {task!r}."
+            f"memento_bench.tasks.make_task: task must be one of {TASKS}, got {task!r}."
         )
     k_init, k_meta, k_data = jax.random.split(jax.random.PRNGKey(seed), 3)
     data = task_batches(k_data, config, num_steps=num_steps, batch_size=batch_size)

@@ -1,4 +1,4 @@
-"""Seed 004's motivating example (Eq. 9, Listing 4), written against memento's API.
+"""MixFlow-MG's motivating example (Eq. 9, Listing 4), written against memento's API.
 
 MAML-like: the meta-parameters are the initial inner parameters, ``theta_0 = eta``; the
 inner loss is an L2 loss independent of ``eta``; T plain SGD steps. The inner model is
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..meta import inner_loop
+from memento.meta import inner_loop
 
 LEARNING_RATE = 1e-3
 
@@ -115,7 +115,7 @@ def make_toy_task(
 
 
 def _all_inputs_fwdrev(loss):
-    """A forward-over-reverse gradient that, like seed 004's Listing 1, pulls cotangents
+    """A forward-over-reverse gradient that, like MixFlow-MG's Listing 1, pulls cotangents
     back to every input (parameters and data alike) instead of only the perturbed ones."""
 
     @jax.custom_vjp

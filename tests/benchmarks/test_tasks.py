@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from memento.apps.tasks import IMPLEMENTATIONS, TASKS, make_task
-from memento.apps.toy import IMPLEMENTATIONS as TOY_IMPLEMENTATIONS, make_toy_task
-from memento.meta import transformer as tfm
+from memento_bench import transformer as tfm
+from memento_bench.tasks import IMPLEMENTATIONS, TASKS, make_task
+from memento_bench.toy import IMPLEMENTATIONS as TOY_IMPLEMENTATIONS, make_toy_task
 
 TINY = tfm.TransformerConfig(
     vocab_size=16, seq_len=6, d_model=8, num_heads=2, num_layers=2, d_ff=16

@@ -1,4 +1,4 @@
-"""A small decoder-only transformer in plain JAX, for the meta-learning tasks of seed 004.
+"""A small decoder-only transformer in plain JAX, for the meta-learning tasks of MixFlow-MG.
 
 Why plain JAX with dict pytrees rather than Flax or Haiku: memento's runtime dependencies
 are jax, numpy and optax only, and the meta-gradient machinery needs nothing from a
@@ -9,7 +9,7 @@ whole model is ~100 lines a reader can check.
 Architecture: token and learned position embeddings, ``num_layers`` pre-norm residual
 blocks (causal multi-head attention, then a GELU MLP), RMS norms, untied output head.
 The layers' parameters are stacked on a leading axis and the blocks run in a
-``lax.scan`` whose body is ``jax.checkpoint``-ed: per-block rematerialisation (seed 004,
+``lax.scan`` whose body is ``jax.checkpoint``-ed: per-block rematerialisation (MixFlow-MG,
 section 4, "block rematerialisation"), with a compile time that does not grow with depth.
 """
 
@@ -48,7 +48,7 @@ class TransformerConfig:
     def __post_init__(self):
         if self.d_model % self.num_heads:
             raise ValueError(
-                f"memento.meta.transformer.TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}."
+                f"memento_bench.transformer.TransformerConfig: num_heads={self.num_heads} must divide d_model={self.d_model}."
             )
 
     @property
@@ -117,7 +117,7 @@ def apply(params: dict, tokens: jax.Array, config: TransformerConfig) -> jax.Arr
 
 
 def token_losses(params: dict, tokens: jax.Array, config: TransformerConfig) -> jax.Array:
-    """Next-token-prediction loss per sequence, ``[batch]`` (NTP in seed 004)."""
+    """Next-token-prediction loss per sequence, ``[batch]`` (NTP in MixFlow-MG)."""
     logits = apply(params, tokens[:, :-1], config)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]

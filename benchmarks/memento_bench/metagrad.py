@@ -3,10 +3,9 @@
 Dynamic memory is XLA's temp allocation of the compiled meta-gradient
 (``memory_analysis().temp_size_in_bytes``: exact, deterministic, CPU-friendly); time is
 the median of repeated runs after compilation. Ratios are default / memento, measured
-in one process, so higher is better (seed 004, Eq. 10-11).
+in one process, so higher is better (MixFlow-MG, Eq. 10-11).
 
-`main` runs part 1 (the toy task) for ``memento bench metagrad``; the script
-``benchmarks/metagrad.py`` runs all three parts.
+``benchmarks/metagrad.py`` runs its three parts.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,7 +59,7 @@ def _with_ratios(rows: list[dict], key: Sequence[str]) -> list[dict]:
 
 # ---------------------------------------------------------------------------- part 1
 def toy_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
-    """Seed 004's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
+    """MixFlow-MG's toy task (Eq. 9) over M, scan and unrolled, B=256, D=512, T=2."""
     from .toy import make_toy_task
 
     rows = []
@@ -127,8 +125,8 @@ def _tasks():
 
 def task_rows(quick: bool = False, repeats: int = 5, log=print) -> list[dict]:
     """The three tasks on the transformer: default vs memento, across sizes."""
-    from ..meta._transformer import TransformerConfig
     from .tasks import IMPLEMENTATIONS, make_task
+    from .transformer import TransformerConfig
 
     rows = []
     for s in task_settings(quick):
@@ -163,7 +161,8 @@ def memory_rows(quick: bool = False, repeats: int = 3, slots: int = 8, log=print
     state is exactly one parameter-sized copy and ``memory=slots`` means `slots`
     parameter copies.
     """
-    from ..meta import inner_loop
+    from memento.meta import inner_loop
+
     from .toy import toy_apply
 
     # Parameters (D x D) dominate activations (B x D), as in large models.
@@ -227,29 +226,3 @@ def write_json(path: str | Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"jax": jax.__version__, "backend": jax.default_backend()}
     path.write_text(json.dumps({"environment": meta, **results}, indent=2, default=float))
-
-
-def main(args) -> int:
-    """``memento bench metagrad``: the toy task table (part 1).
-
-    Args:
-        args: Has ``.quick`` (bool: smaller sweep) and ``.json`` (a path or None).
-    """
-    quick = bool(getattr(args, "quick", False))
-    done, total = [], len(toy_grid(quick))
-
-    def progress(line: str) -> None:  # on stderr: stdout is the table
-        done.append(line)
-        print(f"memento bench metagrad: [{len(done)}/{total}] {line}", file=sys.stderr, flush=True)
-
-    print(
-        f"memento bench metagrad: the toy task's meta-gradient, {total} compilations, each "
-        "timed over 5 runs ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    rows = toy_rows(quick=quick, log=progress)
-    print(markdown(rows, ("variant", "M", "impl")))
-    if getattr(args, "json", None):
-        write_json(args.json, {"toy": rows})
-    return 0

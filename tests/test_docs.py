@@ -1,0 +1,173 @@
+"""The README and the documentation pages say only what runs and what was measured.
+
+- Every ```python block of README.md and docs/*.md runs, each in a fresh namespace (so
+  each is self-contained); blocks written as an interactive session (``>>>``) run as
+  doctests and must print what they show. A block that deliberately does not run is
+  preceded by ``<!-- not run: why -->``; there are at most ``MAX_NOT_RUN`` of them.
+- A block that only includes a file (``--8<-- "examples/x.py"``) is run where that file
+  is: README.md's sections here, the examples by tests/test_examples.py.
+- The `memento plan` output the README quotes is what the command prints.
+- The README's tables of measurements are the committed results files
+  (benchmarks/results/*.json), to the digits shown.
+"""
+
+import doctest
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_NOT_RUN = 2
+
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+_NOT_RUN = re.compile(r"<!-- not run: \S.*?-->\s*$")
+_INCLUDE = re.compile(r'^--8<-- "([^"]+)"\s*$')
+
+
+def _blocks(page: Path) -> list[tuple[str, int, str, str | None]]:
+    """(language, line, code, why it is not run or None) of every fenced block."""
+    text = page.read_text()
+    found = []
+    for match in _FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        why = before if _NOT_RUN.search(before) else None
+        line = text.count("\n", 0, match.start()) + 1
+        found.append((match.group(1), line, match.group(2), why))
+    return found
+
+
+def _python_blocks():
+    for page in PAGES:
+        for language, line, code, why in _blocks(page):
+            if language == "python":
+                yield pytest.param(page, line, code, why, id=f"{page.name}:{line}")
+
+
+PYTHON_BLOCKS = list(_python_blocks())
+
+
+def test_there_are_blocks_and_few_are_not_run():
+    assert len(PYTHON_BLOCKS) >= 8
+    not_run = [p.id for p in PYTHON_BLOCKS if p.values[3] is not None]
+    assert len(not_run) <= MAX_NOT_RUN, not_run
+
+
+@pytest.mark.parametrize("page, line, code, why", PYTHON_BLOCKS)
+def test_python_block_runs(page, line, code, why):
+    if why is not None:
+        pytest.skip(why)
+    if include := _INCLUDE.match(code.strip()):
+        target = include.group(1)
+        path, _, section = target.partition(":")
+        if path.startswith("examples/"):
+            from test_examples import EXAMPLES  # run there, with their small sizes
+
+            assert Path(path).name in EXAMPLES and (ROOT / path).is_file()
+            return
+        assert path == "README.md" and section, f"{page.name}:{line} includes {target}"
+        start, end = f"--8<-- [start:{section}]", f"--8<-- [end:{section}]"
+        readme = (ROOT / "README.md").read_text()
+        assert start in readme and end in readme  # the README's block runs as itself
+        return
+    pytest.importorskip("jax")
+    if code.lstrip().startswith(">>>"):
+        test = doctest.DocTestParser().get_doctest(code, {}, page.name, str(page), line)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        runner.run(test)
+        result = runner.summarize(verbose=False)
+        assert result.attempted > 0 and result.failed == 0, f"{page.name}:{line}"
+        return
+    for needs in ("optax", "equinox", "diffrax", "flax"):
+        if re.search(rf"^\s*(import|from) {needs}\b|import .*\b{needs}\b", code, re.M):
+            pytest.importorskip(needs)
+    exec(compile(code, f"{page.name}:{line}", "exec"), {"__name__": "snippet"})
+
+
+def test_readme_plan_output_is_the_clis(capsys):
+    from memento import cli
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("$ memento plan --steps 1000 --memory 50 --policy ism\n", 1)[1]
+    quoted = block.split("```", 1)[0]
+    assert cli.main(["plan", "--steps", "1000", "--memory", "50", "--policy", "ism"]) == 0
+    assert capsys.readouterr().out == quoted
+
+
+# -- the README's tables against benchmarks/results ---------------------------------------
+
+_UNITS = {"s": 1.0, "ms": 1e-3, "KiB": 1.0, "MiB": 1024.0}
+
+
+def _shown(text: str, value: float, unit_scale: float = 1.0) -> bool:
+    """Whether ``text`` (a number as printed) is ``value / unit_scale`` to its digits."""
+    digits = len(text.split(".")[1]) if "." in text else 0
+    shown = float(text)
+    scaled = value / unit_scale
+    half = 0.5 * 10.0**-digits * (1 + 1e-9)
+    return abs(scaled - shown) <= half
+
+
+def _table(after_text: str) -> list[list[str]]:
+    """The first Markdown table after ``after_text`` in README.md, without its rule line."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.split(after_text, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return [r for r in rows if not set("".join(r)) <= set("-: ")]
+
+
+def _quantity(text: str) -> tuple[str, float]:
+    number, unit = text.split()
+    return number, _UNITS[unit]
+
+
+def test_readme_long_loop_table_is_results_long_json():
+    results = json.loads((ROOT / "benchmarks/results/long.json").read_text())
+    rows = {(r["method"], r["T"]): r for r in results["results"]}
+    ratios = {
+        (r["method"], r["T"]): r["first_call_vs_lax_scan"] for r in results["first_call_ratios"]
+    }
+    table = _table("`python benchmarks/long.py`")
+    assert table[0][0] == "T" and len(table) == 5
+    for T_text, first, lax_first, ratio, per_grad, memory in table[1:]:
+        T = 10 ** int(T_text.removeprefix("10^"))
+        ours, lax = rows["memento_hsm", T], rows.get(("lax_scan", T))
+        number, scale = _quantity(first)
+        assert _shown(number, ours["first_s"], scale), (T, first, ours["first_s"])
+        number, scale = _quantity(per_grad)
+        assert _shown(number, ours["steady_s"], scale), (T, per_grad, ours["steady_s"])
+        shown_memory = memory.split(" / ")
+        number, scale = _quantity(shown_memory[0])
+        assert _shown(number, ours["temp_kib"], scale), (T, memory, ours["temp_kib"])
+        if lax is None:  # too large to run: the table says why instead of a number
+            assert lax_first.startswith("(") and ratio == "" and len(shown_memory) == 1
+            continue
+        number, scale = _quantity(lax_first)
+        assert _shown(number, lax["first_s"], scale), (T, lax_first, lax["first_s"])
+        assert _shown(ratio, ratios["memento_hsm", T]), (T, ratio)
+        number, scale = _quantity(shown_memory[1])
+        assert _shown(number, lax["temp_kib"], scale), (T, memory, lax["temp_kib"])
+
+
+def test_readme_sharded_table_is_results_sharded_json():
+    results = json.loads((ROOT / "benchmarks/results/sharded.json").read_text())
+    rows = {(r["workload"], r["mode"], r["method"].split()[0]): r for r in results["rows"]}
+    table = _table("`python benchmarks/sharded.py`")
+    assert table[0][:3] == ["workload", "sharding", "checkpoint/step"] and len(table) == 5
+    for name, sharding, *cells in table[1:]:
+        if not name.startswith(("LSTM", "residual block")) or not cells:
+            raise AssertionError(name)
+        workload = "lstm" if name.startswith("LSTM") else "block"
+        mode = "dp" if sharding == "batch" else "mp"
+        for method, cell in zip(["checkpoint/step", "memento", "equinox"], cells, strict=True):
+            memory, time = (c.split()[0].removesuffix("x") for c in cell.split(","))
+            row = rows[workload, mode, method]
+            assert _shown(memory, row["memory_ratio"]), (name, sharding, method, cell)
+            assert _shown(time, row["time_ratio"]), (name, sharding, method, cell)
