@@ -295,3 +295,18 @@ def test_compare_to_bptt_refuses_two_level_schedules():
     s = _plan(20, 3, host_memory=2, transfer_cost=1.0)
     with pytest.raises(NotImplementedError, match=r"compare_to_bptt: a two-level schedule"):
         memento.planning.compare_to_bptt(s)
+
+
+def test_auto_with_host_memory_plans_hsm_or_msm():
+    # plan's default policy is auto; two-level plans are HSM (alpha 1) or MSM (alpha >= 2).
+    import math
+
+    import memento
+
+    hsm = memento.plan(40, 4, host_memory=math.inf, transfer_cost=0.5, policy="hsm")
+    auto = memento.plan(40, 4, host_memory=math.inf, transfer_cost=0.5)
+    assert (auto.policy, auto.cost) == ("hsm", hsm.cost)
+    msm = memento.plan(30, 6, host_memory=8, transfer_cost=0.5, alpha=3, policy="msm")
+    auto = memento.plan(30, 6, host_memory=8, transfer_cost=0.5, alpha=3)
+    assert (auto.policy, auto.cost) == ("msm", msm.cost)
+    assert auto.simulate().forward_evaluations + auto.simulate().transfer_time == auto.cost

@@ -536,6 +536,12 @@ def plan(
     """
     fn = "memento.plan"
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
+    if policy == "auto" and host_memory:
+        # Two-level plans are HSM or MSM: auto is MSM (never worse) when an internal
+        # state takes two slots or more, HSM otherwise.
+        policy = "msm" if (alpha or 1) >= 2 else "hsm"
+        alpha = alpha or 1
+        beta = (beta or alpha) if policy == "msm" else beta
     host, cost_pair, overlap = check_host(fn, policy, host_memory, transfer_cost, overlap)
     if host:  # 0 and None: the one-level plan below, unchanged
         schedule = plan_two_level(fn, t, m, policy, alpha, beta, host, cost_pair, overlap)
