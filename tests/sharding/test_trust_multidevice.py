@@ -330,8 +330,10 @@ def test_set_mesh_explicit_scan(policy, memory, monkeypatch):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
 
 
-@pytest.mark.parametrize("memory,max_steps", [(3, 20), (3, None), (13, 12), (1, None)])
-@pytest.mark.parametrize("acc0", [0.0, "array"])
+@pytest.mark.parametrize(
+    "memory,max_steps,acc0",
+    [(3, 20, 0.0), (3, None, "array"), (13, 12, 0.0), (1, None, "array")],
+)
 def test_set_mesh_explicit_while_scalar_accumulator(memory, max_steps, acc0):
     # A scalar accumulator (replicated) beside the batch-sharded state.
     w, h0 = rnn_data()
