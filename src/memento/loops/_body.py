@@ -25,7 +25,7 @@ from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
-from ._pool import from_storage, nbytes as nbytes
+from ._pool import _stacked, explicit_sharding, from_storage, nbytes as nbytes, varying, zeros
 
 Leaves = list[Any]
 
@@ -288,13 +288,23 @@ class Static:
 
 def instantiate(cts, avals, mask, leading=None) -> Leaves:
     """The cotangents of the differentiated leaves (``mask``), symbolic zeros made
-    concrete (with a ``leading`` axis for stacked outputs)."""
+    concrete (with a ``leading`` axis for stacked outputs).
+
+    A zero is typed as the value it stands for: under ``shard_map(check_vma=True)`` it
+    varies over the same mesh axes (a final LSTM cell state the loss ignores still varies
+    over the batch axis, and the step's VJP refuses an unvaried cotangent for it), and
+    under explicit mesh axes it is sharded as the value.
+    """
     out = []
     for ct, aval, m in zip(cts, avals, mask):
         if m:
             if isinstance(ct, SymbolicZero):
-                shape = aval.shape if leading is None else (leading, *aval.shape)
-                ct = jnp.zeros(shape, aval.dtype)
+                sharding = explicit_sharding(aval)
+                if leading is None:
+                    ct = zeros(aval.shape, aval.dtype, varying(aval), sharding)
+                else:
+                    shape = (leading, *aval.shape)
+                    ct = zeros(shape, aval.dtype, varying(aval), _stacked(sharding))
             out.append(ct)
     return out
 
@@ -414,11 +424,12 @@ def make_body(
             f"{name}: the body must return a carry with the shapes and dtypes of the initial "
             f"carry (cast inside the body, or change init); differs at {'; '.join(wrong)}."
         )
+    # Literal consts (Python scalars a nested trace hands over) become arrays, whose
+    # identity the residual probe can follow.
+    jaxpr, consts = hoist_pvary(closed.jaxpr, [jnp.asarray(c) for c in closed.consts])
     return Body(
-        jaxpr=closed.jaxpr,
-        # Literal consts (Python scalars a nested trace hands over) become arrays, whose
-        # identity the residual probe can follow.
-        consts=[jnp.asarray(c) for c in closed.consts],
+        jaxpr=jaxpr,
+        consts=consts,
         carry_tree=carry_tree,
         x_tree=x_tree,
         y_tree=found["y_tree"],
@@ -426,3 +437,90 @@ def make_body(
         x_avals=x_avals,
         y_avals=tuple(_avals(out_shape[n:])),
     )
+
+
+def hoist_pvary(jaxpr, consts: Sequence) -> tuple[Any, Leaves]:
+    """The step with the ``pvary`` of closed-over values done once, before the loop.
+
+    Inside ``shard_map(check_vma=True)``, a body that combines an unvaried const (a
+    weight, read the usual data-parallel way) with a varying carry gets a ``pvary`` of
+    the const inside the step. Its transpose is a ``psum``, which a step's VJP would run
+    once per step inside the backward loop: wasteful in a scan, and in a while loop
+    whose predicate varies (each device stops at its own step) a deadlock, the devices
+    entering different numbers of all-reduces. Here each such ``pvary`` of a const
+    (``axes``) becomes a new const, ``lax.pcast(k, axes, to="varying")`` computed by
+    the caller, outside the loop: its transpose, one ``psum`` of the accumulated
+    cotangent, runs once after the backward loop. The equation is dropped and the
+    value it produced is bound to the new const, so every other equation (nested
+    jaxprs included) sees exactly the type it was traced with. Consts no longer used
+    are dropped. Only top-level ``pvary``s of consts are moved; `varying_in_step` finds
+    what stays (`memento.while_loop` refuses it under a varying predicate).
+    """
+    index = {v: j for j, v in enumerate(jaxpr.constvars)}
+    hoisted: dict[tuple, Any] = {}  # (const, axes) -> the new constvar
+    rename: dict = {}  # the dropped pvary's output -> the constvar for its value
+    eqns = []
+    for eqn in jaxpr.eqns:
+        ins = eqn.invars
+        if eqn.primitive.name != "pvary" or not all(
+            isinstance(v, jex_core.Var) and v in index for v in ins
+        ):
+            eqns.append(eqn)
+            continue
+        axes = tuple(eqn.params["axes"])
+        for v, out in zip(ins, eqn.outvars):
+            rename[out] = hoisted.setdefault((index[v], axes), out)
+    if not hoisted:
+        return jaxpr, list(consts)
+    if len(set(rename.values())) != len(rename):  # the same pvary twice: share one const
+        eqns = [e.replace(invars=[rename.get(v, v) if isinstance(v, jex_core.Var) else v
+                                  for v in e.invars]) for e in eqns]  # fmt: skip
+    outvars = [rename.get(v, v) if isinstance(v, jex_core.Var) else v for v in jaxpr.outvars]
+    used = {v for e in eqns for v in e.invars if isinstance(v, jex_core.Var)}
+    used |= {v for v in outvars if isinstance(v, jex_core.Var)}
+    keep = [j for j, v in enumerate(jaxpr.constvars) if v in used]
+    new_vars = [jaxpr.constvars[j] for j in keep] + list(hoisted.values())
+    new_consts = [consts[j] for j in keep] + [
+        lax.pcast(consts[j], axes, to="varying") for j, axes in hoisted
+    ]
+    return jaxpr.replace(constvars=new_vars, eqns=eqns, outvars=outvars), new_consts
+
+
+def varying_in_step(body: Body) -> list[str]:
+    """The ``pvary``s left in a step (after `hoist_pvary`) whose float operand depends on
+    a differentiated input: each one's transpose, a ``psum``, would run in every step of
+    the backward loop. Described as ``"float32[2,8] over ('b',)"``; nested jaxprs that
+    take such an operand count when they hold any float ``pvary`` (conservative)."""
+    jaxpr = body.jaxpr
+    inputs = [*body.const_mask, *body.carry_mask, *body.x_mask]
+    marked = {v for v, m in zip([*jaxpr.constvars, *jaxpr.invars], inputs) if m}
+    found = []
+    for eqn in jaxpr.eqns:
+        hit = [v for v in eqn.invars if isinstance(v, jex_core.Var) and v in marked]
+        if not hit:
+            continue
+        if eqn.primitive.name == "pvary":
+            found += [f"{_type_str(v.aval)} over {tuple(eqn.params['axes'])}" for v in hit
+                      if is_float(v.aval)]  # fmt: skip
+        else:
+            found += [f"{_type_str(v)} over {axes} (in {eqn.primitive.name})"
+                      for v, axes in _nested_pvarys(eqn.params)]  # fmt: skip
+        marked.update(v for v in eqn.outvars if is_float(v.aval))
+    return found
+
+
+def _nested_pvarys(params) -> list:
+    """``(operand aval, axes)`` of every float ``pvary`` in the jaxprs among ``params``."""
+    out = []
+    for p in params.values():
+        for sub in p if isinstance(p, (tuple, list)) else (p,):
+            sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+            if not isinstance(sub, jex_core.Jaxpr):
+                continue
+            for e in sub.eqns:
+                if e.primitive.name == "pvary":
+                    out += [(v.aval, tuple(e.params["axes"])) for v in e.invars
+                            if is_float(v.aval)]  # fmt: skip
+                else:
+                    out += _nested_pvarys(e.params)
+    return out

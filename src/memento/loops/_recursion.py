@@ -24,9 +24,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
 
 from ..planning import hsm_split
 from . import _pool
@@ -45,16 +47,34 @@ def _get(a, i):
 
 
 def _put(a, i, v):
-    """``a.at[i].set(v)`` along the first axis, as an in-place update."""
+    """``a.at[i].set(v)`` along the first axis, as an in-place update.
+
+    Under explicit mesh axes (``jax.set_mesh``) every op types its result on the mesh,
+    the update here included, but a constant (an array made from NumPy, such as a table
+    of positions) has no mesh, and ``dynamic_update_slice`` wants both alike: such an
+    ``a`` is first typed on the mesh, replicated (no data moves).
+    """
     v = jnp.asarray(v).astype(a.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        not mesh.empty
+        and AxisType.Explicit in mesh.axis_types
+        and jax.typeof(a).sharding.mesh.empty
+    ):
+        a = jax.sharding.reshard(a, P(*[None] * a.ndim))
     return lax.dynamic_update_index_in_dim(a, v, i, 0, allow_negative_indices=False)
 
 
 def _pick(when, yes, no):
-    """``jnp.where`` for a scalar ``when`` and values of one type."""
+    """``jnp.where`` for a scalar ``when`` and values of one type.
+
+    ``lax.select`` takes the scalar as it is: broadcast to the values' shape it would be
+    replicated, and under explicit mesh axes a select refuses a predicate sharded
+    otherwise than its cases.
+    """
     dtype = jnp.result_type(yes, no)  # a Python int takes the other's type
     yes, no = jnp.asarray(yes, dtype), jnp.asarray(no, dtype)
-    return lax.select(jnp.broadcast_to(when, yes.shape), yes, no)
+    return lax.select(when, yes, no)
 
 
 @functools.lru_cache(maxsize=32)

@@ -42,8 +42,10 @@ from ._body import (
     refuse_reverse_over_reverse,
     split,
     structure_error,
+    varying_in_step,
 )
 from ._budget import Bytes, parse_memory, to_slots
+from ._pool import varying
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
@@ -116,6 +118,14 @@ def while_loop(
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
             returns something else in its place.
+        NotImplementedError: inside ``shard_map(check_vma=True)``, a predicate that
+            varies over mesh axes (each device may stop at its own step) with a body
+            that casts a differentiated, unvaried value to varying (a carried float the
+            body mixes with varying values): the cast's transpose, a ``psum``, would run
+            a different number of times per device in the backward loop, a deadlock.
+            Cast it before the loop (``lax.pcast(x, axes, to="varying")``). Arrays the
+            body closes over (weights) are cast before the loop for you, so their
+            ``psum`` runs once, after the backward loop.
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops; each member's gradient is its
@@ -401,6 +411,7 @@ def _differentiable_run(
     def fwd(consts, cond_consts, init, bufs):
         # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
         b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [])
+        _refuse_per_step_psums(b, cond_jaxpr)
         consts, cond_consts, init, bufs = (
             [a.value for a in x] for x in (consts, cond_consts, init, bufs)
         )
@@ -454,6 +465,32 @@ def _differentiable_run(
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
+
+
+def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
+    """Refuses a gradient whose backward loop would deadlock under ``shard_map``.
+
+    With a predicate that varies over mesh axes, each device stops at its own step, and
+    the backward loop runs as many steps as its forward did. A collective in a step's
+    VJP then runs a different number of times per device: the devices wait for each
+    other forever (across processes silently). Such a collective is the transpose of a
+    ``pvary`` of a differentiated value inside the body. Closed-over arrays are cast
+    before the loop (`memento.loops._body.hoist_pvary`); what remains is refused here,
+    when the gradient is traced.
+    """
+    (out,) = cond_jaxpr.outvars
+    axes = varying(out.aval)
+    found = varying_in_step(body) if axes else []
+    if found:
+        raise NotImplementedError(
+            f"{_NAME}: inside shard_map the predicate varies over the mesh axes "
+            f"{tuple(sorted(axes))} (each device may stop at its own step), and the body "
+            f"casts differentiated values to varying: {'; '.join(found)}. The cast's "
+            "transpose, a psum, would run in every backward step, a number of times that "
+            "differs per device, and the devices would deadlock. Cast such values before "
+            "the loop, lax.pcast(x, axes, to='varying'), and carry the varying value "
+            "(arrays the body closes over are cast for you)."
+        )
 
 
 def _stack(n, num_slots, row_pos, row_slot, row_store):
