@@ -29,7 +29,6 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import memento  # noqa: E402
-from memento.loops import _scan  # noqa: E402
 
 N = jax.device_count()  # every process's devices
 T, B, H = 12, 2 * N, 8
@@ -49,11 +48,7 @@ def check(name, got, want):
 
 def scans():
     def rec(f, init, xs, memory):  # HSM as the device recursion
-        saved, _scan.RECURSION_MIN_STEPS = _scan.RECURSION_MIN_STEPS, 1
-        try:
-            return memento.scan(f, init, xs, memory=memory, policy="hsm")
-        finally:
-            _scan.RECURSION_MIN_STEPS = saved
+        return memento.scan(f, init, xs, memory=memory, policy="hsm", executor="recursion")
 
     yield "hsm", lambda f, i, x: memento.scan(f, i, x, memory=4, policy="hsm")
     yield "ism", lambda f, i, x: memento.scan(f, i, x, memory=40, policy="ism")

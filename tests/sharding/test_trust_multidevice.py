@@ -5,7 +5,7 @@ subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (2 CPU de
 Every gradient is compared with ``lax.scan``'s (or the unrolled loop's) in float64.
 
 - item 0: a carry with a scalar leaf beside a vector on 2+ devices (the pools' layout);
-  xfail until the lead's layout fix lands.
+  one slot layout on any device count (they failed with the shaped layout of several devices).
 - item 6: ``shard_map(check_vma=True)`` and an LSTM whose final cell state gets no
   cotangent: the zero cotangent memento makes must vary as the value does.
 - item 10: a ``while_loop`` whose predicate varies per device, its body reading a weight
@@ -24,10 +24,9 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from memento.loops._hlo import loop_collectives
 
 import memento
-from memento.loops import _scan
-from memento.loops._hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 2,
@@ -46,10 +45,12 @@ def x64():
 
 def budgeted(policy, memory, monkeypatch):
     """``memento.scan`` with a budget; ``"hsm-rec"``: HSM run as the device recursion."""
+    executor = "rows"
     if policy == "hsm-rec":
-        monkeypatch.setattr(_scan, "RECURSION_MIN_STEPS", 1)
-        policy = "hsm"
-    return lambda f, init, xs: memento.scan(f, init, xs, memory=memory, policy=policy)
+        policy, executor = "hsm", "recursion"
+    return lambda f, init, xs: memento.scan(
+        f, init, xs, memory=memory, policy=policy, executor=executor
+    )
 
 
 def mesh(types=AxisType.Auto):
@@ -95,7 +96,6 @@ def _tanh_scan(scan, carry_dtypes, t0, w, xs):
     return loss
 
 
-@pytest.mark.xfail(strict=False, reason="layout fix pending (lead)")
 @pytest.mark.parametrize("policy", ["hsm", "msm", "ism", "auto"])
 @pytest.mark.parametrize(
     "dtypes", [(jnp.float32, jnp.float64), (jnp.float32, jnp.uint8), (jnp.float32, jnp.float32)]

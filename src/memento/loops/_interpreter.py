@@ -34,6 +34,8 @@ from ..planning import Op, Schedule
 from . import _pool
 from ._body import Body, ResidualSpec, split
 
+Index = int | jax.Array  # a position, static or traced
+
 # Indices of the primal branches of the inner switch.
 _PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
 _BRANCH = np.full(max(Op) + 1, -1, dtype=np.int32)
@@ -198,26 +200,26 @@ class _Layout:
         """The leaves without their tag, checking it against ``want`` (debug mode)."""
         if not self.tagged:
             return stored
-        ok = (stored[-1] == want) & self.pools.in_bounds(*at, kind)
+        ok = (stored[-1] == want) & self.pools.in_bounds(at[0], at[1], kind)
         _pool.check(jnp.logical_not(active) | ok, what)
         return stored[:-1]
 
-    def save_hidden(self, slots: Slots, at, c, when=None, *, pos=0) -> Slots:
+    def save_hidden(self, slots: Slots, at, c, when=None, *, pos: Index = 0) -> Slots:
         """Stores ``c = h_pos`` at ``at`` (where ``when`` holds)."""
         if self.tagged:
-            ok = self.pools.in_bounds(*at, "h")
+            ok = self.pools.in_bounds(at[0], at[1], "h")
             _pool.check(
                 ok if when is None else jnp.logical_not(when) | ok, "a hidden save out of the pools"
             )
-        return Slots(self.pools.write(slots.pools, *at, self._tag(c, 2 * pos), "h", when))
+        return Slots(self.pools.write(slots.pools, at[0], at[1], self._tag(c, 2 * pos), "h", when))
 
-    def load_hidden(self, slots: Slots, init, at, *, pos=0, active=True):
+    def load_hidden(self, slots: Slots, init, at, *, pos: Index = 0, active=True):
         """``h`` stored at ``at``, or ``init`` for ``nh = -1`` (the caller's ``h_0``);
         in debug mode, checked to be ``h_pos`` where ``active``."""
         if not self.has_hidden:
             return list(init)
         avals = self.pools.hidden_avals
-        stored = self.pools.read(slots.pools, *at, "h", stored=True)
+        stored = self.pools.read(slots.pools, at[0], at[1], "h", stored=True)
         stored = self._untag(
             stored, at, "h", 2 * pos, active & (at[0] >= 0), "a hidden state loaded is not h_pos"
         )
@@ -226,20 +228,22 @@ class _Layout:
             for a, b, v in zip(init, stored, avals)
         ]
 
-    def save_internal(self, slots: Slots, at, leaves, when=None, *, pos=0) -> Slots:
+    def save_internal(self, slots: Slots, at, leaves, when=None, *, pos: Index = 0) -> Slots:
         """Stores step ``pos``'s internal state at ``at`` (where ``when`` holds)."""
         if self.tagged:
-            ok = self.pools.in_bounds(*at, "i")
+            ok = self.pools.in_bounds(at[0], at[1], "i")
             _pool.check(
                 ok if when is None else jnp.logical_not(when) | ok,
                 "an internal save out of the pools",
             )
-        return Slots(self.pools.write(slots.pools, *at, self._tag(leaves, 2 * pos + 1), "i", when))
+        return Slots(
+            self.pools.write(slots.pools, at[0], at[1], self._tag(leaves, 2 * pos + 1), "i", when)
+        )
 
-    def load_internal(self, slots: Slots, at, *, step=0, active=True):
+    def load_internal(self, slots: Slots, at, *, step: Index = 0, active=True):
         """The internal state stored at ``at``; in debug mode checked to be step
         ``step``'s where ``active``."""
-        stored = self.pools.read(slots.pools, *at, "i")
+        stored = self.pools.read(slots.pools, at[0], at[1], "i")
         return self._untag(
             stored, at, "i", 2 * step + 1, active, "an internal state loaded is not the step's"
         )

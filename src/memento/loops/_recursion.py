@@ -180,7 +180,7 @@ def allocate(avals, num_slots: int) -> list:
     return _hidden_pools(avals, num_slots).allocate()
 
 
-def write(stacks, index, values, avals, when=None, *, pos=0) -> list:
+def write(stacks, index, values, avals, when=None, *, pos: int | jax.Array = 0) -> list:
     """Stores the carry ``values``, ``h_pos``, in slot ``index`` (only where ``when``, a
     scalar bool, holds)."""
     pools = _hidden_pools(avals, 0)
@@ -189,7 +189,7 @@ def write(stacks, index, values, avals, when=None, *, pos=0) -> list:
     return pools.write(stacks, index, 0, values, "h", when)
 
 
-def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos=0) -> list:
+def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos: int | jax.Array = 0) -> list:
     """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``); in
     debug mode checked to be ``h_pos``.
 
