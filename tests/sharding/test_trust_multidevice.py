@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from memento.loops._hlo import loop_collectives
+from memento_bench.hlo import loop_collectives
 
 import memento
 

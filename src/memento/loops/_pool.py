@@ -249,7 +249,7 @@ def get(pool, index):
 class Pools:
     """Where hidden and internal states live; see the module docstring.
 
-    One pool per ``(dtype, shape, explicit sharding)`` of the stored leaves, of shape
+    One pool per ``(dtype, shape, explicit sharding, varying axes)`` of the stored leaves, of shape
     ``(entries, *shape)``; a stored leaf takes one entry. Zero-size leaves take none (they
     are rebuilt on read).
 
@@ -260,7 +260,7 @@ class Pools:
     Attributes:
         hidden_avals, internal_avals: the leaves of one hidden / internal state (tag
             included).
-        groups: ``(dtype, shape, explicit sharding or None)`` of each pool.
+        groups: ``(dtype, shape, explicit sharding or None, varying axes)`` of each pool.
         hidden_size, internal_size: entries of each pool that one state takes.
         sizes: entries of each pool (its peak over the schedule).
     """
@@ -309,13 +309,14 @@ class Pools:
     @property
     def nbytes(self) -> int:
         """Bytes of all pools."""
-        return sum(n * math.prod(e) * d.itemsize for (d, e, _), n in zip(self.groups, self.sizes))
+        return sum(
+            n * math.prod(e) * d.itemsize for (d, e, _, _), n in zip(self.groups, self.sizes)
+        )
 
     def allocate(self) -> list:
-        axes = frozenset().union(*(varying(a) for a in (*self.hidden_avals, *self.internal_avals)))
         return [
             zeros((n, *e), d, axes, _stacked(sharding))
-            for (d, e, sharding), n in zip(self.groups, self.sizes)
+            for (d, e, sharding, axes), n in zip(self.groups, self.sizes)
         ]
 
     def _starts(self, nh, ni) -> list:
@@ -370,9 +371,10 @@ class Pools:
 
 
 def _group(aval) -> tuple | None:
-    """``(dtype, shape, explicit sharding)`` of the pool that stores ``aval``; None for a
-    zero-size leaf, which needs no storage."""
+    """``(dtype, shape, explicit sharding, shard_map axes it varies over)`` of the pool
+    that stores ``aval`` (a leaf is read back as it was stored: varying or not); None for
+    a zero-size leaf, which needs no storage."""
     s = storage_aval(aval)
     if math.prod(s.shape) == 0:
         return None
-    return np.dtype(s.dtype), tuple(s.shape), explicit_sharding(aval)
+    return np.dtype(s.dtype), tuple(s.shape), explicit_sharding(aval), varying(aval)
