@@ -34,6 +34,8 @@ from ._body import (
     Body,
     Static,
     call_reverse_mode_only,
+    guard_backward,
+    inputs_to_consts,
     instantiate,
     is_float,
     make_body,
@@ -195,6 +197,14 @@ def while_loop(
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, full0, init_tree)
+    # Carry leaves the body returns unchanged are read-only: as lax.while_loop does, they
+    # become constants of the loop (of the body and of the predicate), out of the slots.
+    readonly = body.readonly_carry()
+    fixed, carry0 = split(carry0, readonly)
+    body = body.carry_to_consts(readonly, fixed)
+    fixed_in_full = _merge_buffers(readonly, [False] * len(buffers0), is_buffer)
+    loop_cond = inputs_to_consts(cond_jaxpr, fixed_in_full)
+    is_loop_buffer = [b for b, r in zip(is_buffer, fixed_in_full) if not r]
 
     if budget is None:
         assert steps is not None  # memory=None without max_steps was refused above
@@ -215,13 +225,17 @@ def while_loop(
         slots = _MAX_POLICY_SLOTS
     events = online_events(slots, None if steps is None else max(steps, 1))
 
+    loop_cond_consts = [*cond_consts, *fixed]
     run = _differentiable_run(
-        body, cond_jaxpr, len(cond_consts), slots, steps, events, is_buffer, write_spec
+        body, loop_cond, len(loop_cond_consts), slots, steps, events, is_loop_buffer, write_spec
     )
     carry, bufs = call_reverse_mode_only(
-        run, (body.consts, cond_consts, carry0, buffers0), name=_NAME, instead="lax.while_loop"
+        run,
+        (body.consts, loop_cond_consts, carry0, buffers0),
+        name=_NAME,
+        instead="lax.while_loop",
     )
-    final = _merge_buffers(carry, bufs, is_buffer)
+    final = _merge_buffers(merge(fixed, carry, readonly), bufs, is_buffer)
     out = jax.tree_util.tree_unflatten(init_tree, final)
     if not return_truncated:
         return out
@@ -444,6 +458,7 @@ def _differentiable_run(
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
         )  # fmt: skip
+        ct_k, ct_init, ct_b = guard_backward((ct_k, ct_init, ct_b), name=_NAME)
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
