@@ -67,7 +67,9 @@ def scan(
             ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
             initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
             bytes, converted to slots from the measured carry size. Under ``vmap`` sizes are
-            those of one batch member.
+            those of one batch member. Carry leaves that ``f`` returns unchanged are, as in
+            ``lax.scan``, constants of the loop: they take no room in slots and do not
+            count in the carry size (and keep their batching under ``vmap``).
         policy: ``"auto"`` (cheapest of the below that fits), ``"hsm"`` (store carries),
             ``"ism"`` (store step residuals, "internal states"), ``"msm"`` (mix). The size
             of a step's residuals relative to the carry (the paper's alpha) is measured
@@ -100,7 +102,8 @@ def scan(
     that need no gradient. Second order by forward over reverse (``jax.hessian``,
     ``jax.jvp(jax.grad(f))``, ``jax.jacfwd(jax.jacrev(f))``) is exact. With a budget,
     forward mode of the loop (``jvp``, ``jacfwd``, reverse over forward) raises a
-    ``TypeError`` and reverse over reverse (``grad(grad(f))``) a ``NotImplementedError``:
+    ``TypeError`` and reverse over reverse (``grad(grad(f))``, also through
+    ``jax.checkpoint``) a ``NotImplementedError``:
     the gradient is a custom VJP whose backward pass is a while loop. ``memory=None``
     (``lax.scan``) supports both.
 

@@ -90,7 +90,9 @@ def while_loop(
         memory: carry-sized slots (an ``int``, the initial carry included: the paper's m)
             or bytes (``"64MiB"``, ``memento.bytes_budget(n)``). ``None``: enough to keep
             every carry, ``max_steps + 1`` slots (needs ``max_steps``). Under ``vmap``,
-            sizes are those of one batch member. Buffers (below) take no slots.
+            sizes are those of one batch member. Buffers (below) take no slots, nor do
+            carry leaves that ``body_fun`` returns unchanged: as in ``lax.while_loop``,
+            they are constants of the loop (and keep their batching under ``vmap``).
         buffers: as Equinox's ``while_loop(..., buffers=)``: a function of the carry that
             returns the arrays (a node or a sequence of nodes of ``init_val``) the body
             only writes to, ``buf.at[i].set(x)``, like the output array of an ODE solve
@@ -117,11 +119,15 @@ def while_loop(
         TypeError: a body that changes the carry's structure, shapes or dtypes; a
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
-            returns something else in its place.
+            returns something else in its place; forward mode.
+        NotImplementedError: reverse over reverse (see below).
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops; each member's gradient is its
-    own), nesting. Forward mode (``jvp``) is not supported: use ``lax.while_loop``.
+    own), nesting. Forward over reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is
+    exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
+    over reverse (``grad(grad(f))``, also through ``jax.checkpoint``) a
+    ``NotImplementedError``.
 
     Notes:
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
