@@ -24,6 +24,7 @@ import numpy as np
 from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
 
 from ._pool import _stacked, explicit_sharding, from_storage, nbytes as nbytes, varying, zeros
 
@@ -117,6 +118,44 @@ class Body:
             self, const_mask=tuple(k), carry_mask=tuple(c), x_mask=tuple(x), y_mask=tuple(y)
         )
 
+    def readonly_carry(self) -> tuple[bool, ...]:
+        """Which carry leaves a step returns unchanged (the body's output carry *is* its
+        input, not a copy or a computed equal): ``lax.scan`` and ``lax.while_loop`` move
+        them to the loop's constants, see `carry_to_consts`."""
+        n = len(self.carry_avals)
+        if any(hasattr(e, "input_index") for e in self.jaxpr.effects):
+            return (False,) * n  # effects that point at inputs by position: leave as is
+        return tuple(o is i for o, i in zip(self.jaxpr.outvars[:n], self.jaxpr.invars[:n]))
+
+    def carry_to_consts(self, mask: Sequence[bool], values: Sequence) -> Body:
+        """The body with the carry leaves ``mask`` picks (read-only ones, see
+        `readonly_carry`) made consts bound to ``values``, appended after its own.
+
+        A read-only carry leaf is then what ``lax.scan`` makes it: a loop constant, whose
+        final value is the initial one (returned by the caller, not the loop: JAX then
+        sees the output *is* the input, so ``vmap`` keeps an unbatched one unbatched and
+        ``cond`` forwards it), whose cotangent is the final carry's plus what the steps
+        give it as a const's, and which takes no room in the checkpoint slots.
+        """
+        if not any(mask):
+            return self
+        n = len(self.carry_avals)
+        jaxpr = inputs_to_consts(self.jaxpr, [*mask, *[False] * len(self.x_avals)])
+        keep = [*(not m for m in mask), *[True] * len(self.y_avals)]
+        jaxpr = jaxpr.replace(outvars=[o for o, k in zip(self.jaxpr.outvars, keep) if k])
+        avals = tuple(a for a, m in zip(self.carry_avals, mask) if not m)
+        assert len(self.jaxpr.outvars) == n + len(self.y_avals)
+        return Body(
+            jaxpr=jaxpr,
+            consts=[*self.consts, *values],
+            carry_tree=jax.tree_util.tree_structure([0] * len(avals)),
+            x_tree=self.x_tree,
+            y_tree=self.y_tree,
+            carry_avals=avals,
+            x_avals=self.x_avals,
+            y_avals=self.y_avals,
+        )
+
     def cast_carry(self, leaves: Sequence) -> Leaves:
         """Initial carry leaves typed as `carry_avals` (see `make_body`)."""
         return [_as_aval(jnp.asarray(c), a) for c, a in zip(leaves, self.carry_avals)]
@@ -201,6 +240,15 @@ class Body:
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
 
+def inputs_to_consts(jaxpr, mask: Sequence[bool]):
+    """``jaxpr`` with the inputs ``mask`` picks moved after its constvars, in order."""
+    moved = [v for v, m in zip(jaxpr.invars, mask) if m]
+    return jaxpr.replace(
+        constvars=[*jaxpr.constvars, *moved],
+        invars=[v for v, m in zip(jaxpr.invars, mask) if not m],
+    )
+
+
 def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:
     """Which outputs of ``jaxpr`` (constvars then invars in) depend on the marked inputs.
 
@@ -265,16 +313,48 @@ def refuse_reverse_over_reverse(args, *, name: str) -> None:
     backward pass: plain JAX ops, exact. Reverse over reverse (``grad(grad)``, or
     ``jax.linearize`` of a gradient, whose map JAX would transpose) would transpose the
     backward pass's ``while_loop``s, which JAX cannot do, and its error sends the user to
-    ``lax.scan``. The backward rule sees that case as linearize tracers among its inputs.
+    ``lax.scan``. The backward rule sees that case as linearize tracers among its inputs;
+    under ``jax.checkpoint`` it sees JVP tracers, as forward over reverse does, and
+    `guard_backward` on its cotangents catches it when they are transposed.
     """
     if any(isinstance(x, _LinearizeTracer) for x in jax.tree_util.tree_leaves(args)):
-        raise NotImplementedError(
-            f"{name}: reverse-over-reverse differentiation (jax.grad of jax.grad, "
-            "jax.jacrev(jax.jacrev(f)), jax.linearize or jax.vjp of a gradient) is not "
-            "supported with a memory budget: the backward pass is a while loop. "
-            f"{_HIGHER_ORDER}: use them for Hessians and Hessian-vector products, or "
-            "memory=None."
-        )
+        raise NotImplementedError(_reverse_over_reverse_message(name))
+
+
+def _no_transpose_rule(ct, x, *, name: str):
+    raise NotImplementedError(_reverse_over_reverse_message(name))
+
+
+# The identity, declared linear so that forward mode pushes tangents through it (as the
+# same op on the tangent) but with a transpose that raises memento's error. The
+# executors pass their backward pass's cotangents through it: they are then transposed
+# only when the backward pass is reverse-differentiated, which JAX would otherwise
+# report at the first ``while_loop`` it meets ("Try using lax.scan"). That is the
+# reverse-over-reverse case the tracer test below cannot see, under ``jax.checkpoint``
+# or ``jax.remat``, where an outer gradient traces the backward pass with JVP tracers as
+# forward over reverse does.
+_guard_p = jex_core.Primitive("memento_reverse_over_reverse_guard")
+_guard_p.def_impl(lambda x, *, name: x)
+_guard_p.def_abstract_eval(lambda x, *, name: x)
+ad.deflinear2(_guard_p, _no_transpose_rule)
+batching.defvectorized(_guard_p)
+mlir.register_lowering(_guard_p, lambda ctx, x, *, name: [x])
+
+
+def guard_backward(cts, *, name: str):
+    """The cotangents ``cts`` (a pytree) a backward rule returns, unchanged, but with an
+    error that names ``name`` if they are ever transposed (see `_guard_p`)."""
+    return jax.tree_util.tree_map(lambda c: _guard_p.bind(c, name=name) if is_float(c) else c, cts)
+
+
+def _reverse_over_reverse_message(name: str) -> str:
+    return (
+        f"{name}: reverse-over-reverse differentiation (jax.grad of jax.grad, "
+        "jax.jacrev(jax.jacrev(f)), jax.linearize or jax.vjp of a gradient, also through "
+        "jax.checkpoint) is not supported with a memory budget: the backward pass is a "
+        f"while loop. {_HIGHER_ORDER}: use them for Hessians and Hessian-vector products, "
+        "or memory=None."
+    )
 
 
 @jax.tree_util.register_static

@@ -16,11 +16,13 @@ from ._body import (
     Body,
     Static,
     call_reverse_mode_only,
+    guard_backward,
     instantiate,
     make_body,
     merge,
     nbytes,
     refuse_reverse_over_reverse,
+    split,
 )
 from ._budget import (
     Bytes,
@@ -66,7 +68,9 @@ def scan(
             ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
             initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
             bytes, converted to slots from the measured carry size. Under ``vmap`` sizes are
-            those of one batch member.
+            those of one batch member. Carry leaves that ``f`` returns unchanged are, as in
+            ``lax.scan``, constants of the loop: they take no room in slots and do not
+            count in the carry size (and keep their batching under ``vmap``).
         policy: ``"auto"`` (cheapest of the below that fits), ``"hsm"`` (store carries),
             ``"ism"`` (store step residuals, "internal states"), ``"msm"`` (mix). The size
             of a step's residuals relative to the carry (the paper's alpha) is measured
@@ -99,7 +103,8 @@ def scan(
     that need no gradient. Second order by forward over reverse (``jax.hessian``,
     ``jax.jvp(jax.grad(f))``, ``jax.jacfwd(jax.jacrev(f))``) is exact. With a budget,
     forward mode of the loop (``jvp``, ``jacfwd``, reverse over forward) raises a
-    ``TypeError`` and reverse over reverse (``grad(grad(f))``) a ``NotImplementedError``:
+    ``TypeError`` and reverse over reverse (``grad(grad(f))``, also through
+    ``jax.checkpoint``) a ``NotImplementedError``:
     the gradient is a custom VJP whose backward pass is a while loop. ``memory=None``
     (``lax.scan``) supports both.
 
@@ -120,7 +125,7 @@ def scan(
             "with int32 positions; split the loop into an outer memento.scan over chunks, "
             "or use memory=None (lax.scan)."
         )
-    body, init_leaves = _trace(f, init, xs, x_leaves, name=_NAME)
+    body, init_leaves, readonly, fixed = _trace(f, init, xs, x_leaves, name=_NAME)
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(
         _plan, num_steps=num_steps, slots=slots, policy=policy, executor=executor
@@ -132,8 +137,9 @@ def scan(
     )
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
+    carry = merge(fixed, carry, readonly)  # a read-only leaf ends as it began
     return (
-        jax.tree_util.tree_unflatten(body.carry_tree, carry),
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(init), carry),
         jax.tree_util.tree_unflatten(body.y_tree, ys),
     )
 
@@ -197,10 +203,11 @@ def scan_schedule(
     num_steps, x_leaves = _steps(xs, length, reverse, name=name)
     if num_steps == 0:
         raise ValueError(f"{name}: a scan of 0 steps runs lax.scan and has no schedule.")
-    body, _ = _trace(f, init, xs, x_leaves, name=name)
+    body, _, readonly, _ = _trace(f, init, xs, x_leaves, name=name)
     slots = to_slots(budget, nbytes(body.carry_avals), name=name)
+    num_closure = len(body.consts) - sum(readonly)  # read-only carry leaves come last
     body = body.restrict(
-        ["closure" in wrt] * len(body.consts),
+        ["closure" in wrt] * num_closure + ["init" in wrt] * sum(readonly),
         ["init" in wrt] * len(body.carry_avals),
         ["xs" in wrt] * len(body.x_avals),
     )
@@ -227,14 +234,26 @@ def _steps(xs, length, reverse: bool, *, name: str) -> tuple[int, list]:
     return num_steps, x_leaves
 
 
-def _trace(f: Callable, init, xs, x_leaves, *, name: str) -> tuple[Body, list]:
-    """The `Body` of ``f`` for one step of xs, and init's leaves typed as its carry."""
+def _trace(f: Callable, init, xs, x_leaves, *, name: str):
+    """The `Body` of ``f`` for one step of xs, and init's leaves typed as its carry.
+
+    Carry leaves that ``f`` returns unchanged are read-only: as ``lax.scan`` does, they
+    become constants of the loop (`Body.carry_to_consts`), out of the checkpointed carry.
+
+    Returns:
+        ``(body, init, readonly, fixed)``: ``body`` and ``init`` without the read-only
+        leaves, ``readonly`` the mask of those among init's leaves and ``fixed`` their
+        values (the last consts of ``body``).
+    """
     init_leaves, init_tree = jax.tree_util.tree_flatten(init)
     init_leaves = [jnp.asarray(c) for c in init_leaves]
     x_tree = jax.tree_util.tree_structure(xs)
     x_example = jax.tree_util.tree_unflatten(x_tree, [_slice_aval(x) for x in x_leaves])
     body = make_body(f, jax.tree_util.tree_unflatten(init_tree, init_leaves), x_example, name=name)
-    return body, body.cast_carry(init_leaves)
+    init_leaves = body.cast_carry(init_leaves)
+    readonly = body.readonly_carry()
+    fixed, init_leaves = split(init_leaves, readonly)
+    return body.carry_to_consts(readonly, fixed), init_leaves, readonly, fixed
 
 
 def _slice_aval(x):
@@ -412,6 +431,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
             ct_k, ct_init, ct_xs = run_backward(
                 prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
             )
+        ct_k, ct_init, ct_xs = guard_backward((ct_k, ct_init, ct_xs), name=_NAME)
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),

@@ -34,6 +34,8 @@ from ._body import (
     Body,
     Static,
     call_reverse_mode_only,
+    guard_backward,
+    inputs_to_consts,
     instantiate,
     is_float,
     make_body,
@@ -90,7 +92,9 @@ def while_loop(
         memory: carry-sized slots (an ``int``, the initial carry included: the paper's m)
             or bytes (``"64MiB"``, ``memento.bytes_budget(n)``). ``None``: enough to keep
             every carry, ``max_steps + 1`` slots (needs ``max_steps``). Under ``vmap``,
-            sizes are those of one batch member. Buffers (below) take no slots.
+            sizes are those of one batch member. Buffers (below) take no slots, nor do
+            carry leaves that ``body_fun`` returns unchanged: as in ``lax.while_loop``,
+            they are constants of the loop (and keep their batching under ``vmap``).
         buffers: as Equinox's ``while_loop(..., buffers=)``: a function of the carry that
             returns the arrays (a node or a sequence of nodes of ``init_val``) the body
             only writes to, ``buf.at[i].set(x)``, like the output array of an ODE solve
@@ -117,8 +121,8 @@ def while_loop(
         TypeError: a body that changes the carry's structure, shapes or dtypes; a
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
-            returns something else in its place.
-        NotImplementedError: inside ``shard_map(check_vma=True)``, a predicate that
+            returns something else in its place; forward mode.
+        NotImplementedError: reverse over reverse (see below); inside ``shard_map(check_vma=True)``, a predicate that
             varies over mesh axes (each device may stop at its own step) with a body
             that casts a differentiated, unvaried value to varying (a carried float the
             body mixes with varying values): the cast's transpose, a ``psum``, would run
@@ -129,7 +133,10 @@ def while_loop(
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops; each member's gradient is its
-    own), nesting. Forward mode (``jvp``) is not supported: use ``lax.while_loop``.
+    own), nesting. Forward over reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is
+    exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
+    over reverse (``grad(grad(f))``, also through ``jax.checkpoint``) a
+    ``NotImplementedError``.
 
     Notes:
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
@@ -205,6 +212,14 @@ def while_loop(
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, full0, init_tree)
+    # Carry leaves the body returns unchanged are read-only: as lax.while_loop does, they
+    # become constants of the loop (of the body and of the predicate), out of the slots.
+    readonly = body.readonly_carry()
+    fixed, carry0 = split(carry0, readonly)
+    body = body.carry_to_consts(readonly, fixed)
+    fixed_in_full = _merge_buffers(readonly, [False] * len(buffers0), is_buffer)
+    loop_cond = inputs_to_consts(cond_jaxpr, fixed_in_full)
+    is_loop_buffer = [b for b, r in zip(is_buffer, fixed_in_full) if not r]
 
     if budget is None:
         assert steps is not None  # memory=None without max_steps was refused above
@@ -225,13 +240,17 @@ def while_loop(
         slots = _MAX_POLICY_SLOTS
     events = online_events(slots, None if steps is None else max(steps, 1))
 
+    loop_cond_consts = [*cond_consts, *fixed]
     run = _differentiable_run(
-        body, cond_jaxpr, len(cond_consts), slots, steps, events, is_buffer, write_spec
+        body, loop_cond, len(loop_cond_consts), slots, steps, events, is_loop_buffer, write_spec
     )
     carry, bufs = call_reverse_mode_only(
-        run, (body.consts, cond_consts, carry0, buffers0), name=_NAME, instead="lax.while_loop"
+        run,
+        (body.consts, loop_cond_consts, carry0, buffers0),
+        name=_NAME,
+        instead="lax.while_loop",
     )
-    final = _merge_buffers(carry, bufs, is_buffer)
+    final = _merge_buffers(merge(fixed, carry, readonly), bufs, is_buffer)
     out = jax.tree_util.tree_unflatten(init_tree, final)
     if not return_truncated:
         return out
@@ -455,6 +474,7 @@ def _differentiable_run(
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
         )  # fmt: skip
+        ct_k, ct_init, ct_b = guard_backward((ct_k, ct_init, ct_b), name=_NAME)
         # None is a zero cotangent for custom_vjp: leaves not differentiated.
         return (
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
