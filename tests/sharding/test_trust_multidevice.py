@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from memento_bench.hlo import loop_collectives
 
 import memento
+from memento_bench.hlo import loop_collectives
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 2,
