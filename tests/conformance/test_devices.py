@@ -22,12 +22,12 @@ import memento
 INSIDE = "MEMENTO_DEVICES" in os.environ  # set by test_on_several_devices for its run
 
 # The subset run on several devices: the tests below and the randomised ones, and from
-# the catalogue the gradients, integer and key leaves and weak types through one variant
-# of each policy and both executors.
-_VARIANTS = "hsm-1 or hsm-rec-1 or ism-over or msm-third or auto-rec-third or hsm-rec-unroll"
+# the catalogue the gradients and integer and key leaves through a few variants (both
+# executors; ISM runs in the randomised tests).
+_VARIANTS = "hsm-1 or hsm-rec-1 or msm-third or auto-rec-third"
 SUBSET = (
-    "sharded or memento_scan_equals_lax_scan or random_carries or ((grad_reverse or keys_ints "
-    f"or weak_types_are_kept) and ({_VARIANTS}))"
+    "sharded or memento_scan_equals_lax_scan or random_carries or ((grad_reverse or keys_ints) "
+    f"and ({_VARIANTS}))"
 )
 
 
@@ -38,7 +38,7 @@ def test_on_several_devices(devices):
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "MEMENTO_DEVICES": str(devices),
-        "MEMENTO_EXAMPLES": "3",
+        "MEMENTO_EXAMPLES": "2",
     }
     here = Path(__file__).parent
     files = [
@@ -66,7 +66,7 @@ RUNS = [
 ]
 
 
-@pytest.mark.parametrize("memory", [1, 3, "1TiB"])
+@pytest.mark.parametrize("memory", [1, "1TiB"])
 @pytest.mark.parametrize("policy,executor", RUNS)
 def test_sharded_vector_beside_scalar_leaves(policy, executor, memory):
     # On every device there is (2 and 8 in the runs above, 1 in the plain suite).
