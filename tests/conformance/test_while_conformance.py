@@ -266,7 +266,7 @@ def test_random_carries_against_lax(case):
 
             return jax.jvp(vjp, (args,), (tangents,)) if case["second_order"] else vjp(args)
 
-        return (jax.vmap(go) if case["vmap"] else go)(args, cts, tangents)
+        return (jax.vmap(go, axis_size=2) if case["vmap"] else go)(args, cts, tangents)
 
     ours = functools.partial(memento.while_loop, memory=case["memory"], max_steps=max_steps)
     got, want = results(ours), results(functools.partial(_scanned, length=n))
