@@ -2,9 +2,14 @@
 
 Each variant is a drop-in ``scan(f, init, xs=None, length=None, reverse=False, unroll=1)``.
 The memento variants cover every policy, budgets of 1 and 2 slots, a third of the length
-and more than the length, ``unroll``, a byte budget, and HSM both as schedule rows and as
-the device recursion that long scans use. Tests compare each with
-``lax.scan`` (or an unrolled loop) in float64.
+and more than the length, ``unroll`` and a byte budget. Every HSM and auto variant runs
+through both executors of `memento.scan`: ``executor="rows"`` (the schedule as rows of
+data) and ``executor="recursion"`` (HSM's binomial recursion on the device; auto then
+plans HSM). ISM and MSM run as rows only, the one executor they have. Tests compare each
+with ``lax.scan`` (or an unrolled loop) in float64.
+
+The executor acts only in the backward pass: a loop that is not differentiated is
+``lax.scan`` whatever it says, so the value-only tests take `ROWS` (no recursion twins).
 """
 
 import dataclasses
@@ -25,7 +30,7 @@ class Variant:
     memory: object = None
     policy: str = "auto"
     unroll: int = 1
-    recursion: bool = False  # HSM as the device recursion (`memento.loops._recursion`)
+    executor: str = "rows"  # `memento.scan`'s executor=
 
     def __call__(self, f, init, xs=None, length=None, reverse=False, unroll=1):
         if self.memory is None:
@@ -33,15 +38,20 @@ class Variant:
         return memento.scan(
             f, init, xs, length, reverse, max(unroll, self.unroll),
             memory=self.memory, policy=self.policy,
-            executor="recursion" if self.recursion else "rows",
+            executor=self.executor,
         )  # fmt: skip
 
     def __repr__(self):
         return self.name
 
 
+def recursion(v: Variant) -> Variant:
+    """``v`` through the device recursion: its twin with ``executor="recursion"``."""
+    return dataclasses.replace(v, name=v.name.replace("-", "-rec-", 1), executor="recursion")
+
+
 LAX = Variant("lax.scan")
-MEMENTO = [
+ROWS = [
     Variant("hsm-1", 1, "hsm"),
     Variant("hsm-2", 2, "hsm"),
     Variant("hsm-third", T // 3, "hsm"),
@@ -53,12 +63,15 @@ MEMENTO = [
     Variant("auto-third", T // 3, "auto"),
     Variant("auto-bytes", "4KiB", "auto"),
     Variant("hsm-unroll", T // 3, "hsm", unroll=2),
-    Variant("hsm-rec-2", 2, "hsm", recursion=True),
-    Variant("hsm-rec-third", T // 3, "hsm", unroll=2, recursion=True),
 ]
+# The recursion twin of every variant whose policy it runs (HSM; auto, planned as HSM).
+RECURSION = [recursion(v) for v in ROWS if v.policy in ("hsm", "auto")]
+MEMENTO = [*ROWS, *RECURSION]
 ALL = [LAX, *MEMENTO]
-# A smaller set for the costlier tests (dtypes, second order under vmap, ...).
-FEW = [MEMENTO[0], MEMENTO[2], MEMENTO[6], MEMENTO[8], MEMENTO[10], MEMENTO[-1]]
+# A smaller set for the costlier tests (dtypes, second order under vmap, ...): each
+# policy once, and the HSM and auto members through both executors.
+_FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll"]
+FEW = [v for v in MEMENTO if v.name.replace("-rec", "") in _FEW]
 
 
 def assert_close(a, b, rtol=1e-10, atol=1e-10, weak=False):

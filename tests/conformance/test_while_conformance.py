@@ -8,15 +8,18 @@ batched or unbatched predicate, vmap of the cotangent), rewritten for memento.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from jax import lax
 
 import memento
 
+from . import _trees
 from ._variants import assert_close
 
 MEMORIES = [1, 2, 3, 8, None]  # None: every carry kept (needs max_steps)
@@ -148,6 +151,11 @@ def test_vmap_primal_and_cotangent(batched_cond):
         assert_close(got, ref)
 
 
+def _scanned(cond, body, init, length):
+    # The reference for n steps known in advance: lax.scan of the body.
+    return lax.scan(lambda s, _: (body(s), None), init, None, length=length)[0]
+
+
 def _masked(cond, body, init, max_steps=16):
     # The reference under vmap: a bounded loop that stops changing once cond fails.
     def step(s, _):
@@ -164,3 +172,109 @@ def test_unsupported_transformations_raise_memento_errors():
         jax.jvp(f, (0.7,), (1.0,))
     with pytest.raises(NotImplementedError, match=r"memento\.while_loop: reverse-over-reverse"):
         jax.grad(jax.grad(f))(0.7)
+
+
+# -- random carries: mixed dtypes, scalars, zero-size leaves, special values, budgets -----
+
+EXAMPLES = max(3, int(os.environ.get("MEMENTO_EXAMPLES", "12")) // 2)
+
+
+@st.composite
+def while_cases(draw):
+    carry = draw(st.lists(_trees.leaf(), min_size=1, max_size=5))
+    max_steps = draw(st.integers(0, 8))
+    bytes_ = sum(c.nbytes for c in carry) + 4  # and the step counter, an int32
+    return {
+        "carry": carry,
+        "steps": draw(st.integers(0, max_steps)),
+        "max_steps": max_steps,
+        "memory": draw(st.one_of(st.none(), _trees.budgets(bytes_))),
+        "vmap": draw(st.booleans()),
+        "second_order": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _while_case(carry, memory, **kw):
+    base = {"steps": 5, "max_steps": 6, "vmap": False, "second_order": False, "seed": 0}
+    return {"carry": carry, "memory": memory, **base, **kw}
+
+
+_MIXED = [
+    _trees.Leaf("special", np.float32, (0,)),
+    _trees.Leaf("smooth", np.float64, ()),
+    _trees.Leaf("count", np.uint8, (3,)),
+    _trees.Leaf("smooth", np.complex128, (3,)),
+    _trees.Leaf("special", np.float64, (3,)),
+    _trees.Leaf("smooth", np.float32, (2, 0)),
+]
+
+
+@example(_while_case(_MIXED, 1))
+@example(_while_case(_MIXED, "1TiB", vmap=True, second_order=True))
+@example(_while_case(_MIXED, 2**40, steps=0))
+@example(_while_case(_MIXED[::-1], memento.bytes_budget(2**40), steps=6, second_order=True))
+@settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(while_cases())
+def test_random_carries_against_lax(case):
+    # The body of test_random's scans, its inputs indexed by the step counter; n steps of
+    # at most max_steps. Values against lax.while_loop; vector-Jacobian products (random
+    # cotangents with NaN, inf and -0.0) and their forward derivative against lax.scan
+    # over the n steps, NaN positions and signs of zeros exactly. (Not against the
+    # unrolled loop: there a cotangent's tangent is a symbolic zero, so 0 * inf never
+    # happens, where a loop's backward pass, lax.scan's as memento's, carries a real 0.)
+    rng = np.random.default_rng(case["seed"])
+    carry, n, max_steps = case["carry"], case["steps"], case["max_steps"]
+    x_leaves = [c for c in carry if c.kind == "special"]
+    f = _trees.step(carry, x_leaves, zero_y=False)
+    init = [_trees.values(c, rng) for c in carry]
+    table = [_trees.values(x, rng, lead=(max(max_steps, 1),)) for x in x_leaves]
+    consts = {
+        i: (0.4 * rng.uniform(-1, 1, c.shape)).astype(np.real(np.zeros((), c.dtype)).dtype)
+        for i, c in enumerate(carry)
+        if c.kind == "smooth"
+    }
+    dc = [i for i, c in enumerate(carry) if c.differentiable]
+
+    def run(loop, consts, table, init_d):
+        c0 = list(init)
+        for i, v in zip(dc, init_d):
+            c0[i] = v
+
+        def body(s):
+            c, i = s
+            return f(consts, c, [jnp.asarray(t)[i] for t in table])[0], i + 1
+
+        c, _ = loop(lambda s: s[1] < n, body, (c0, jnp.int32(0)))
+        return [v for i, v in enumerate(c) if i in dc], [v for i, v in enumerate(c) if i not in dc]
+
+    args = (consts, table, [init[i] for i in dc])
+    cts = [_trees.cotangent(carry[i], rng, carry[i].shape) for i in dc]
+    tangents = jax.tree_util.tree_map(lambda a: np.ones_like(a), args)
+    if case["vmap"]:
+        args, cts, tangents = jax.tree_util.tree_map(
+            lambda a: np.stack([a, -0.5 * a]), (args, cts, tangents)
+        )
+
+    def results(loop):
+        def go(args, cts, tangents):
+            def vjp(args):
+                out, pullback, aux = jax.vjp(functools.partial(run, loop), *args, has_aux=True)
+                return out, aux, pullback(cts)
+
+            return jax.jvp(vjp, (args,), (tangents,)) if case["second_order"] else vjp(args)
+
+        return (jax.vmap(go, axis_size=2) if case["vmap"] else go)(args, cts, tangents)
+
+    ours = functools.partial(memento.while_loop, memory=case["memory"], max_steps=max_steps)
+    got, want = results(ours), results(functools.partial(_scanned, length=n))
+    if case["second_order"]:
+        _trees.assert_same(got[1], want[1], "forward derivative", exact=False)
+        got, want = got[0], want[0]
+    _trees.assert_same(got, want)
+    values = lambda loop: (
+        jax.vmap(lambda a: run(loop, *a))(args) if case["vmap"] else run(loop, *args)
+    )
+    _trees.assert_same(values(ours), values(lax.while_loop))
