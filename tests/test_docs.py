@@ -80,7 +80,7 @@ def test_python_block_runs(page, line, code, why):
         result = runner.summarize(verbose=False)
         assert result.attempted > 0 and result.failed == 0, f"{page.name}:{line}"
         return
-    for needs in ("optax", "equinox", "diffrax", "flax"):
+    for needs in ("optax", "equinox", "diffrax", "flax", "torch"):
         if re.search(rf"^\s*(import|from) {needs}\b|import .*\b{needs}\b", code, re.M):
             pytest.importorskip(needs)
     exec(compile(code, f"{page.name}:{line}", "exec"), {"__name__": "snippet"})

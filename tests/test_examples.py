@@ -25,7 +25,7 @@ EXAMPLES = {
     "diffrax_neural_ode.py": ("diffrax", ["--small"]),
     "maml.py": ("optax", TRANSFORMER),
     "meta_learning_rates.py": ("optax", TRANSFORMER),
-    # memento.torch's bilevel example (tests/torch/test_torch_fwdrev.py runs it too)
+    # memento.torch's bilevel example (tests/pytorch/test_torch_fwdrev.py runs it too)
     "torch_meta_lr.py": ("torch", ["--small"]),
 }
 

@@ -1,6 +1,6 @@
 """memento for PyTorch: optimal checkpointing of loops and layer stacks, and MixFlow-MG.
 
-An optional extra (``pip install "memento[torch]"``); the only part of memento that
+An optional extra (``pip install "memento-jax[torch]"``); the only part of memento that
 imports torch (``import memento`` stays NumPy only). The schedules are
 `memento.planning`'s, walked row by row as the JAX executors walk them:
 
