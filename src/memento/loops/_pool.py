@@ -169,13 +169,6 @@ def _stacked(sharding):
     )
 
 
-def stack_of(aval, n: int):
-    """``n`` stored forms of ``aval`` along a new leading axis, zeros, sharded as ``aval``
-    along the others when its sharding is explicit."""
-    s = storage_aval(aval)
-    return zeros((n, *s.shape), s.dtype, varying(aval), _stacked(explicit_sharding(aval)))
-
-
 def to_storage(x, aval):
     return jax.random.key_data(x) if is_key(aval) else x
 
