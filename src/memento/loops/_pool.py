@@ -32,7 +32,9 @@ entries of pool g in one hidden and one internal state. Each pool holds exactly 
 peak of that sum over the schedule. Leaves of the same dtype and shape in hidden and
 internal states share a pool; peaks of different pools may fall at different times, so
 the total can exceed the schedule's peak, and `memento.scan` then plans for fewer slots
-until it fits (rarely needed: alpha is rounded up to whole slots).
+until it fits. That costs MSM some evaluations: the demo's LSTM at 5% memory plans for 185
+of its 205 slots, 2.51 evaluations a step against 2.40 with the flat pools this layout
+replaced (same temporary memory).
 """
 
 from __future__ import annotations
