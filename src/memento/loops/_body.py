@@ -15,6 +15,7 @@ total size measures the paper's alpha.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,7 +224,15 @@ class Body:
         return _sources(leaves, consts, x)
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
-        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``."""
+        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``.
+
+        With no tracer among the inputs (an eager call), the step is traced under
+        ``jax.jit``, as the probe traced it: JAX may build a pullback of another structure
+        from concrete values (``JAX_REMAT3=1`` folds a residual away), and the residuals
+        must be those probed.
+        """
+        if not any(isinstance(a, jax_core.Tracer) for a in (*consts, *carry, *x)):
+            return jax.jit(functools.partial(self.save, spec))(consts, carry, x)
         c, y, pullback = self.linearize(consts, carry, x)
         leaves = jax.tree_util.tree_leaves(pullback)
         if self._sources(leaves, consts, x) != spec.source:

@@ -202,11 +202,20 @@ def _grad_call(loss, a_idx, has_aux, mode, leaves):
     def call(*flat):
         return plain_grad(flat)
 
+    # JAX's new custom_vjp (JAX_CUSTOM_VJP3=1, off by default in JAX 0.10) has no JVP of
+    # a symbolic-zeros rule, which a memento loop around this call needs: there every
+    # float input counts as perturbed.
+    symbolic = not getattr(jax.config, "jax_custom_vjp3", False)
+
     def fwd(*primals):
-        flat = [p.value for p in primals]
-        # Only inputs someone differentiates need a cotangent (P in the module doc);
-        # the inner batch, for example, is skipped entirely.
-        perturbed = tuple(i for i, p in enumerate(primals) if p.perturbed and _is_float(p.value))
+        if symbolic:
+            flat = [p.value for p in primals]
+            # Only inputs someone differentiates need a cotangent (P in the module doc);
+            # the inner batch, for example, is skipped entirely.
+            perturbed = [p.perturbed for p in primals]
+        else:
+            flat, perturbed = list(primals), [True] * len(primals)
+        perturbed = tuple(i for i, v in enumerate(flat) if perturbed[i] and _is_float(v))
         return plain_grad(flat), (flat, perturbed)
 
     def bwd(res, cts):
@@ -228,7 +237,7 @@ def _grad_call(loss, a_idx, has_aux, mode, leaves):
             out = _replace(out, p_idx, total)
         return tuple(out)
 
-    call.defvjp(fwd, bwd, symbolic_zeros=True)
+    call.defvjp(fwd, bwd, symbolic_zeros=symbolic)
     return call(*leaves)
 
 
