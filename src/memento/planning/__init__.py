@@ -71,6 +71,7 @@ from ._schedule import (
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
     Walk as Walk,
+    backward_runs as backward_runs,
     first_backward as first_backward,
     simulate as simulate,
     stack_depths as stack_depths,

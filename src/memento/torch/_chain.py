@@ -27,7 +27,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..planning import (
     Bytes,
     Schedule,
-    first_backward,
     parse_memory,
     plan_chain_bytes,
     step_evaluations,
@@ -266,8 +265,7 @@ def checkpoint_sequential(
         return functools.reduce(lambda h, f: f(h), layers, x)
     plan = _plan(layers, x_leaves, x_tree, budget, policy)
     stack = _Layers(layers, plan.trees)
-    rows = plan.schedule.actions
-    machine = Machine(stack, x_leaves, rows, first_backward(rows))
+    machine = Machine(stack, x_leaves, plan.schedule)
     machine.sweep()
     if not (any(t.requires_grad for t in x_leaves) or stack.params):
         return _tree.unflatten(plan.trees[-1], machine.cur)  # nothing to differentiate
