@@ -9,6 +9,12 @@ keeps the result, a `Record`: the step's autograd graph holds its saved tensors 
 internal state, the paper's ISM slot) until ``torch.autograd.grad`` back-propagates
 it. BACKWARD_FUSED records the step from the current state and back-propagates it at
 once. FREE rows drop the references, so memory follows the schedule.
+Runs: where `memento.planning.backward_runs` marks a row, the step is recorded on the
+graph of the record below it (whose output it starts from, and which is
+back-propagated right after it), and a run of such steps is back-propagated by one
+``torch.autograd.grad`` when its bottom step's row comes: the same evaluations and the
+same saved tensors alive (the engine frees each step's as it leaves it), one call
+instead of one per step.
 A second backward pass through the same outputs (``retain_graph=True``, Jacobians,
 ``gradcheck``) runs the first sweep again first: its stored states were freed.
 
