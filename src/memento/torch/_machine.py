@@ -104,8 +104,11 @@ def record(steps: Steps, p: int, cur: list, x: list, below: Record | None = None
         below = None
         h_in = [c.detach().requires_grad_() if is_float(c) else c for c in cur]
     x_in = [xi.detach().requires_grad_() if n else xi for xi, n in zip(x, steps.x_needs())]
-    with torch.enable_grad():
+    if torch.is_grad_enabled():  # the machine's walks enable grad once for all rows
         carry, y = steps.call(p, h_in, x_in)
+    else:
+        with torch.enable_grad():
+            carry, y = steps.call(p, h_in, x_in)
     return Record(p, h_in, x_in, carry, y, linked=below is not None)
 
 
@@ -203,6 +206,12 @@ class Machine:
         self.hidden.clear()
         self.internal.clear()
         emit = self.steps.emit if emit_ys else None
+        with torch.enable_grad():
+            self._sweep(emit)
+        self.pre = None
+        return self.cur
+
+    def _sweep(self, emit: Callable | None) -> None:
         for i, (op, arg, pos) in enumerate(self.rows[: self.first + 1]):
             if op == _ADVANCE:
                 self.below = None
@@ -224,8 +233,6 @@ class Machine:
             elif op == _FREE_INTERNAL:
                 del self.internal[arg]
             # BACKWARD_INTERNAL ends the sweep; the current state is that slot's output.
-        self.pre = None
-        return self.cur
 
     def backward(self, ct: list, param_needs: list[bool]) -> None:
         """Runs the remaining rows from the output cotangents ``ct`` (None: zero).
@@ -239,6 +246,13 @@ class Machine:
         self.ct_x = []
         self._run = []
         self._owned: set[int] = set()  # entries of ct_params that are sums made here
+        with torch.enable_grad():
+            self._walk_backward()
+        assert not self._run, "a run of backward steps was left without its bottom step"
+        self.hidden.clear()
+        self.internal.clear()
+
+    def _walk_backward(self) -> None:
         for i in range(self.first, len(self.rows)):
             op, arg, pos = self.rows[i]
             if op == _ADVANCE:
@@ -266,9 +280,6 @@ class Machine:
                 del self.hidden[arg]
             elif op == _FREE_INTERNAL:
                 del self.internal[arg]
-        assert not self._run, "a run of backward steps was left without its bottom step"
-        self.hidden.clear()
-        self.internal.clear()
 
     def _backward(self, rec: Record) -> None:
         """Back-propagates ``rec``, with the run of linked records above it, in one

@@ -43,8 +43,8 @@ class _Loop(Steps):
             self.step, _tree.unflatten(self.h_tree, h), _tree.unflatten(self.x_tree, x)
         )
         # The structure was checked on step 0 (`_probe`); leaves are all that is read.
-        return _tree.flatten(carry, name=_NAME, what="the carry")[0], (
-            [] if y is None else _tree.flatten(y, name=_NAME, what="y")[0]
+        return _tree.leaves(carry, name=_NAME, what="the carry"), (
+            [] if y is None else _tree.leaves(y, name=_NAME, what="y")
         )
 
     def x(self, p):

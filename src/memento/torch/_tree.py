@@ -79,10 +79,23 @@ def _walk_named(t: Any, path: str, name: str, what: str) -> None:
         )
 
 
+def leaves(tree: Any, *, name: str, what: str) -> list[torch.Tensor]:
+    """`flatten`'s leaves only; a tensor, or a tuple or list of tensors, without a walk
+    (the executors read every step's output)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if type(tree) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in tree):
+        return list(tree)
+    return flatten(tree, name=name, what=what)[0]
+
+
 def unflatten(treedef: TreeDef, leaves: list) -> Any:
     """The inverse of `flatten`."""
-    if treedef is _LEAF or treedef == _LEAF:
+    kind = treedef[0]
+    if kind == "leaf":
         return leaves[0]
+    if kind == "tuple" and len(leaves) == len(treedef[1]) and all(c is _LEAF for c in treedef[1]):
+        return tuple(leaves)  # a flat tuple, as an LSTM's (h, c)
     return _build(treedef, iter(leaves))
 
 
