@@ -13,7 +13,9 @@ operation creates until it is freed). memento's budget is that fraction of plain
 autograd's measured peak, in bytes (``memory="...B"``). Time: median of round-robin runs,
 one thread.
 Also the paper's headline (Gruslys et al. 2016): t = 1000 at 5% memory, about 1.33x the
-time of plain BPTT.
+time of plain BPTT. ``floor``: plain autograd followed by as many extra ``no_grad``
+steps as memento's plan recomputes (``cost - T``), the time of the plan's recomputation
+with no executor around it (its memory is plain autograd's; ignore that column).
 
     python benchmarks/torch_rnn.py [--steps 4096] [--batch 16] [--hidden 64] [--repeats 5]
 """
@@ -79,6 +81,17 @@ def methods(cell, xs, h0, fractions, plain_peak):
             h.sum().backward()
 
         out[f"memento {f:.0%}"] = run
+        if plain_peak > 1:  # the plan's floor: plain autograd plus its extra evaluations
+            extra = memento.torch.scan_schedule(step, h0, xs, memory=memory).cost - len(xs)
+
+            def floor(extra=extra):
+                plain()
+                with torch.no_grad():
+                    h = h0
+                    for x in xs[:extra]:
+                        h = cell(x, h)
+
+            out[f"floor {f:.0%}"] = floor
     return out, budgets, step
 
 
