@@ -159,7 +159,6 @@ class Machine:
         self.working: Record | None = None
         self.pre: Record | None = None  # step 0 evaluated by the probe
         self.evaluations = 0
-        self.grad_calls = 0
         self.ct: list = []
         self.ct_x: list = []
         self.ct_params: list = []
@@ -314,7 +313,6 @@ class Machine:
         ct: list = [None] * len(rec.h_in)
         grads: Sequence = [None] * len(ins)
         if outs and ins:
-            self.grad_calls += 1
             with torch.enable_grad():
                 grads = torch.autograd.grad(outs, ins, gouts, allow_unused=True)
         for i, g in zip(h_idx, grads):
