@@ -182,6 +182,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def torch_info() -> dict[str, Any]:
+    """The torch version and intra-op threads (the torch benchmarks; torch imported here)."""
+    import torch
+
+    return {"torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def warm_round_robin(calls: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """One warm-up call each, then `time_round_robin`'s medians (eager code: no compile)."""
+    for call in calls.values():
+        call()
+    return {n: median(v) for n, v in time_round_robin(calls, repeats=repeats).items()}
+
+
 def git_state() -> dict[str, Any]:
     """The commit measured, and the library files that differed from it (if any)."""
     root = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ uniform segments take? Stacks (float32, CPU, small enough for a shared machine):
   256, sequence 128) in two groups with a width change (64 -> 96) between; 10 layers.
 
 For each number of segments ``s`` of PyTorch's ``checkpoint_sequential`` (use_reentrant
-False), its peak live tensor bytes ``P_s`` are measured (``_torch.LiveBytes``); memento's
+False), its peak live tensor bytes ``P_s`` are measured (``memento.torch.LiveBytes``); memento's
 budget is then the largest of a grid of byte budgets whose *measured* peak is at most
 ``P_s`` ("equal memory"), and both are timed round-robin in one process (one thread).
 Rotor and Rockmate (other optimal checkpointing libraries for PyTorch) are not installed
@@ -29,8 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memento.torch
-from _common import machine, write_json
-from _torch import peak_bytes, time_round_robin, torch_info
+from _common import machine, torch_info, warm_round_robin, write_json
 
 RESULTS = Path(__file__).parent / "results" / "torch_chain.json"
 
@@ -84,11 +83,11 @@ def bench(name, net, x, segments, repeats):
         return lambda: memento.torch.checkpoint_sequential(net, xg, memory=memory).sum().backward()
 
     zero()
-    peaks = {"plain": peak_bytes(plain, existing)}
+    peaks = {"plain": memento.torch.peak_bytes(plain, existing)}
     calls = {"plain": plain}
     for s in segments:
         zero()
-        peaks[f"torch {s} segments"] = peak_bytes(torch_seg(s), existing)
+        peaks[f"torch {s} segments"] = memento.torch.peak_bytes(torch_seg(s), existing)
         calls[f"torch {s} segments"] = torch_seg(s)
     # memento's measured peak on a grid of byte budgets (each planned once, cached).
     grid = {}
@@ -99,7 +98,7 @@ def bench(name, net, x, segments, repeats):
         except ValueError:
             continue
         zero()
-        grid[memory] = peak_bytes(ours(memory), existing)
+        grid[memory] = memento.torch.peak_bytes(ours(memory), existing)
     matched = {}
     for s in segments:
         target = peaks[f"torch {s} segments"]
@@ -109,7 +108,7 @@ def bench(name, net, x, segments, repeats):
             matched[s] = best
             calls[f"memento = torch {s}"] = ours(best)
             peaks[f"memento = torch {s}"] = grid[best]
-    times = time_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
+    times = warm_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
     rows = {}
     for n in calls:
         rows[n] = {
@@ -155,7 +154,7 @@ def main(argv=None):
         {
             "machine": machine(),
             "torch": torch_info(),
-            "memory": "peak live tensor bytes (benchmarks/_torch.py)",
+            "memory": "peak live tensor bytes (memento.torch.peak_bytes)",
             "not_compared": "Rotor and Rockmate: not installed on this machine",
             "runs": runs,
         },

@@ -8,12 +8,14 @@ offers: plain autograd (store everything), ``torch.utils.checkpoint`` on every s
 on CPU, forward and backward of ``loss = h_T.sum()``.
 
 Memory: peak live tensor bytes during the forward and backward pass, above the inputs
-and parameters (``_torch.LiveBytes``: a dispatch mode that counts every storage an
+and parameters (``memento.torch.LiveBytes``: a dispatch mode that counts every storage an
 operation creates until it is freed). memento's budget is that fraction of plain
 autograd's measured peak, in bytes (``memory="...B"``). Time: median of round-robin runs,
 one thread.
 Also the paper's headline (Gruslys et al. 2016): t = 1000 at 5% memory, about 1.33x the
-time of plain BPTT.
+time of plain BPTT. ``floor``: plain autograd followed by as many extra ``no_grad``
+steps as memento's plan recomputes (``cost - T``), the time of the plan's recomputation
+with no executor around it (its memory is plain autograd's; ignore that column).
 
     python benchmarks/torch_rnn.py [--steps 4096] [--batch 16] [--hidden 64] [--repeats 5]
 """
@@ -27,9 +29,9 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import memento.planning
 import memento.torch
-from _common import machine, write_json
-from _torch import peak_bytes, time_round_robin, torch_info
+from _common import machine, torch_info, warm_round_robin, write_json
 
 RESULTS = Path(__file__).parent / "results" / "torch_rnn.json"
 
@@ -79,6 +81,17 @@ def methods(cell, xs, h0, fractions, plain_peak):
             h.sum().backward()
 
         out[f"memento {f:.0%}"] = run
+        if plain_peak > 1:  # the plan's floor: plain autograd plus its extra evaluations
+            extra = memento.torch.scan_schedule(step, h0, xs, memory=memory).cost - len(xs)
+
+            def floor(extra=extra):
+                plain()
+                with torch.no_grad():
+                    h = h0
+                    for x in xs[:extra]:
+                        h = cell(x, h)
+
+            out[f"floor {f:.0%}"] = floor
     return out, budgets, step
 
 
@@ -95,12 +108,16 @@ def bench(steps, batch, hidden, fractions, repeats):
 
     calls, budgets, step = methods(cell, xs, h0, fractions, 1)  # plain first, to size budgets
     zero()
-    plain_peak = peak_bytes(calls["plain"], existing)
+    plain_peak = memento.torch.peak_bytes(calls["plain"], existing)
     calls, budgets, step = methods(cell, xs, h0, fractions, plain_peak)
     rows = {}
     for name, call in calls.items():
         zero()
-        rows[name] = {"peak_bytes": plain_peak if name == "plain" else peak_bytes(call, existing)}
+        rows[name] = {
+            "peak_bytes": plain_peak
+            if name == "plain"
+            else memento.torch.peak_bytes(call, existing)
+        }
         if name in budgets:
             s = memento.torch.scan_schedule(step, h0, xs, memory=budgets[name])
             rows[name].update(
@@ -109,8 +126,10 @@ def bench(steps, batch, hidden, fractions, repeats):
                 alpha=s.alpha,
                 slots=s.memory,
                 cost_per_step=s.cost / steps,
+                # one torch.autograd.grad per run of backward steps
+                grad_calls=int(steps - memento.planning.backward_runs(s).sum()),
             )
-    times = time_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
+    times = warm_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
     for name, row in rows.items():
         row["time_s"] = times[name]
         row["memory_ratio"] = row["peak_bytes"] / plain_peak
@@ -140,7 +159,7 @@ def main(argv=None):
         {
             "machine": machine(),
             "torch": torch_info(),
-            "memory": "peak live tensor bytes (benchmarks/_torch.py)",
+            "memory": "peak live tensor bytes (memento.torch.peak_bytes)",
             "runs": runs,
         },
     )

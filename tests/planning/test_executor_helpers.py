@@ -61,3 +61,47 @@ def test_budget_helpers():
         planning.to_slots(planning.Bytes(10), 64, name="f")
     s = planning.choose_schedule(50, 6, 3, "auto", name="f")
     assert s.memory == 6 and s.policy in ("hsm", "ism", "msm")
+
+
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+@pytest.mark.parametrize("t", [1, 2, 17, 200])
+def test_backward_runs_marks_steps_recorded_on_the_one_back_propagated_next(policy, t):
+    """Oracle: tokens for every state. A row is marked iff it records step p from the
+    output of the record that the next backward row (only FREE rows between) uses."""
+    free = (Op.FREE_HIDDEN, Op.FREE_INTERNAL)
+    for m in (3, 5, 40, 10**6):
+        s = memento.plan(t, min(m, 3 * t + 1), policy=policy, alpha=None if policy == "hsm" else 3)
+        marks = planning.backward_runs(s)
+        rows = s.actions.tolist()
+        cur, slots, starts, used = None, {}, {}, {}  # used: record row -> its backward row
+        for i, (op, arg, _) in enumerate(rows):
+            if op in (Op.SAVE_INTERNAL, Op.BACKWARD_FUSED):
+                starts[i] = cur
+                cur = ("out", i)
+                if op == Op.SAVE_INTERNAL:
+                    slots[arg] = i
+                else:
+                    used[i] = i
+            elif op == Op.LOAD_INTERNAL:
+                cur = ("out", slots[arg])
+            elif op == Op.BACKWARD_INTERNAL:
+                used[slots[arg]] = i
+            elif op in (Op.ADVANCE, Op.LOAD_HIDDEN):
+                cur = ("state", i)
+            if op in (Op.BACKWARD_INTERNAL, Op.BACKWARD_FUSED):
+                cur = None
+        back = sorted(used.values())
+        expect = np.zeros(len(rows), bool)
+        for r, start in starts.items():
+            if start is None or start[0] != "out" or r not in used:
+                continue
+            b, below = used[r], start[1]
+            nxt = [x for x in back if x > b]
+            if below in used and nxt and used[below] == nxt[0]:
+                expect[r] = all(rows[k][0] in free for k in range(b + 1, nxt[0]))
+        assert marks.tolist() == expect.tolist()
+        assert not marks[[r[0] not in (Op.SAVE_INTERNAL, Op.BACKWARD_FUSED) for r in rows]].any()
+        if policy == "hsm":
+            assert not marks.any()  # no internal state: nothing to build on
+        if m == 10**6 and policy != "hsm":  # every step stored: one run, one reverse pass
+            assert marks.sum() == t - 1

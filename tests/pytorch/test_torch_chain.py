@@ -146,7 +146,9 @@ def test_errors():
         mt.checkpoint_sequential([], x, memory=2)
     with pytest.raises(TypeError, match=r"layers\[1\] is not callable"):
         mt.checkpoint_sequential([net[0], 3], x, memory=2)
-    with pytest.raises(TypeError, match=r"must be an nn\.Sequential or a sequence"):
+    with pytest.raises(
+        TypeError, match=r"layers must be a sequence \(nn\.Sequential, list or tuple\)"
+    ):
         mt.checkpoint_sequential(net[0], x, memory=2)
     with pytest.raises(ValueError, match="policy must be one of"):
         mt.checkpoint_sequential(net, x, memory=2, policy="ism")

@@ -147,6 +147,62 @@ def test_pytrees_and_integer_leaves():
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("policy", ["ism", "msm"])
+def test_runs_of_backward_steps_are_one_autograd_call(policy, monkeypatch):
+    """Steps marked by `backward_runs` are recorded on the graph below them and
+    back-propagated together: one torch.autograd.grad a run, the same gradients and the
+    same evaluations. The carry has a leaf passed through unchanged, an integer leaf and
+    a leaf needing no grad; y is a carry leaf."""
+    g = torch.Generator().manual_seed(5)
+    A = torch.randn(3, 3, generator=g, dtype=D, requires_grad=True)
+    h0 = (torch.randn(3, generator=g, dtype=D, requires_grad=True), torch.randn(3, dtype=D))
+    h0 = (*h0, torch.tensor(0), torch.zeros(2, dtype=D))
+    xs = torch.randn(40, 3, generator=g, dtype=D, requires_grad=True)
+    calls = {"step": 0, "grad": 0}
+
+    def step(carry, x):
+        calls["step"] += 1
+        h, keep, k, z = carry
+        h = torch.tanh(A @ h + x * keep)
+        return (h, keep, k + 1, z + 1), h
+
+    def loss(out):
+        (h, keep, _, _), ys = out
+        return (h**2).sum() + (ys**3).sum() + keep.sum()
+
+    inputs = [A, h0[0], xs]
+    expect = torch.autograd.grad(loss(reference_tuple(step, h0, xs)), inputs)
+    grad = torch.autograd.grad
+
+    def counted(*args, **kwargs):
+        calls["grad"] += 1
+        return grad(*args, **kwargs)
+
+    alpha = mt.scan_schedule(step, h0, xs, memory=1, policy="msm").alpha
+    for memory in [alpha, 2 * alpha + 1, 6 * alpha, 40 * alpha + 1]:
+        s = mt.scan_schedule(step, h0, xs, memory=memory, policy=policy)
+        marks = memento.planning.backward_runs(s)
+        if memory == 40 * alpha + 1:
+            assert marks.sum() == 39  # everything stored: a single reverse pass
+        calls.update(step=0, grad=0)
+        out = mt.scan(step, h0, xs, memory=memory, policy=policy)
+        monkeypatch.setattr(torch.autograd, "grad", counted)
+        got = torch.autograd.grad(loss(out), inputs)
+        monkeypatch.setattr(torch.autograd, "grad", grad)
+        assert calls["step"] == s.cost
+        assert calls["grad"] == 1 + 40 - int(marks.sum())  # the caller's, then one a run
+        for a, b in zip(got, expect):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def reference_tuple(step, h, xs):
+    ys = []
+    for x in xs:
+        h, y = step(h, x)
+        ys.append(y)
+    return h, torch.stack(ys)
+
+
 def reference_tree(step, h, xs):
     ys = []
     for p in range(xs[0].shape[0]):

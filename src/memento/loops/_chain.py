@@ -71,18 +71,25 @@ Limitations:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from ..planning import INITIAL, Op, Schedule, plan_chain_bytes, step_evaluations, walk
+from ..planning import (
+    INITIAL,
+    ChainPlan,
+    ChainPolicy,
+    Op,
+    Schedule,
+    check_layers,
+    plan_layers,
+    walk,
+)
 from ._body import (
     Body,
     Static,
@@ -92,75 +99,14 @@ from ._body import (
     merge,
     nbytes,
 )
-from ._budget import Bytes, parse_memory
+from ._budget import Bytes
 
 __all__ = ["ChainPlan", "chain", "chain_plan", "scan_layers"]
 
 _NAME = "memento.chain"
-ChainPolicy = Literal["auto", "hsm", "msm"]
-_POLICIES = ("auto", "hsm", "msm")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChainPlan:
-    """What `memento.chain` measured of a chain, and the schedule it runs.
-
-    Attributes:
-        schedule: the plan (`memento.planning.plan_chain`), sizes in units of
-            ``unit_bytes``, costs in quantised flops.
-        unit_bytes: bytes per size unit of ``schedule``.
-        budget_bytes: the budget, in bytes.
-        hidden_bytes: bytes of ``x_0 .. x_n`` (``x_n``, the output, is never stored).
-        internal_bytes: bytes of each layer's internal state: its input, its output and
-            its other VJP residuals.
-        flops: XLA's count of each layer's floating-point operations (1 where none).
-    """
-
-    schedule: Schedule
-    unit_bytes: int
-    budget_bytes: int
-    hidden_bytes: tuple[int, ...]
-    internal_bytes: tuple[int, ...]
-    flops: tuple[float, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return self.schedule.num_steps
-
-    @property
-    def peak_bytes(self) -> int:
-        """Most bytes of stored states at once, as planned (an upper bound, sizes rounded
-        up to units); the input ``x_0`` included."""
-        return self.schedule.peak_memory * self.unit_bytes
-
-    @property
-    def planned_flops(self) -> float:
-        """Forward flops of the schedule: each evaluation of a layer at its measured cost."""
-        return float(np.dot(self.evaluations(), self.flops))
-
-    def evaluations(self) -> np.ndarray:
-        """How many times the schedule evaluates each layer (first sweep included)."""
-        return step_evaluations(self.schedule)
 
 
 # -- tracing and measuring --------------------------------------------------------------
-
-
-def _check_fns(fns) -> list[Callable]:
-    if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence):
-        raise TypeError(
-            f"{_NAME}: fns must be a sequence (list or tuple) of callables, got "
-            f"{type(fns).__name__}."
-        )
-    if len(fns) == 0:
-        raise ValueError(f"{_NAME}: fns is empty; pass at least one layer (a callable).")
-    for p, f in enumerate(fns):
-        if not callable(f):
-            raise TypeError(
-                f"{_NAME}: fns[{p}] is not callable ({type(f).__name__}); every layer must "
-                "be a function of one argument, x_p -> x_{p+1}."
-            )
-    return list(fns)
 
 
 def _layers(fns: Sequence[Callable], x) -> list[Body]:
@@ -234,19 +180,9 @@ def _sizes(bodies: Sequence[Body]) -> tuple[tuple[int, ...], tuple[int, ...], tu
     return tuple(hidden), tuple(internal), tuple(_flops(b) for b in bodies)
 
 
-def _budget_bytes(budget: int | Bytes, hidden: Sequence[int]) -> int:
-    if isinstance(budget, Bytes):
-        return budget.num_bytes
-    return budget * max(1, max(hidden[:-1]))  # a slot holds the largest stored state
-
-
-def _plan(bodies: Sequence[Body], budget: int | Bytes, policy: str) -> ChainPlan:
+def _plan(bodies: Sequence[Body], budget: int | Bytes, policy: ChainPolicy) -> ChainPlan:
     hidden, internal, flops = _sizes(bodies)
-    total = _budget_bytes(budget, hidden)
-    schedule, unit = plan_chain_bytes(
-        flops, hidden, internal, total, internal=policy != "hsm", name=_NAME
-    )
-    return ChainPlan(schedule, unit, total, hidden, internal, flops)
+    return plan_layers(flops, hidden, internal, budget, policy, name=_NAME)
 
 
 def chain_plan(
@@ -268,10 +204,7 @@ def chain_plan(
 
 
 def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
-    fns = _check_fns(fns)
-    if policy not in _POLICIES:
-        raise ValueError(f"{_NAME}: policy must be one of {_POLICIES}, got {policy!r}.")
-    return fns, None if memory is None else parse_memory(memory, name=_NAME)
+    return check_layers(fns, memory, policy, name=_NAME)
 
 
 # -- execution ----------------------------------------------------------------------------

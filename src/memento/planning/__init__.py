@@ -13,8 +13,10 @@ executors that run rows one by one (`memento.chain`, `memento.torch`).
 
 Shared by the executors (JAX's and `memento.torch`): reading ``memory=`` (`parse_memory`,
 `bytes_budget`, `to_slots`), the paper's alpha from measured sizes (`internal_slots`),
-the schedule to run (`choose_schedule`), and where the first sweep ends
-(`first_backward`).
+the schedule to run (`choose_schedule`), where the first sweep ends
+(`first_backward`), which backward steps an eager executor may run as one reverse pass
+(`backward_runs`); for layer stacks, checking the layers (`check_layers`) and planning
+measured layers (`plan_layers`, a `ChainPlan`).
 """
 
 from ._auto import (
@@ -56,6 +58,13 @@ from ._dp import (
     plan as plan,
     plan_estimate as plan_estimate,
 )
+from ._layers import (
+    CHAIN_POLICIES as CHAIN_POLICIES,
+    ChainPlan as ChainPlan,
+    ChainPolicy as ChainPolicy,
+    check_layers as check_layers,
+    plan_layers as plan_layers,
+)
 from ._msm import msm_estimate_s as msm_estimate_s
 from ._online import (
     OnlineEvents as OnlineEvents,
@@ -71,6 +80,7 @@ from ._schedule import (
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
     Walk as Walk,
+    backward_runs as backward_runs,
     first_backward as first_backward,
     simulate as simulate,
     stack_depths as stack_depths,

@@ -69,6 +69,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import itertools
 from collections.abc import Iterator
 from typing import NamedTuple, NoReturn
 
@@ -82,6 +83,7 @@ __all__ = [
     "ScheduleError",
     "SimulationResult",
     "Walk",
+    "backward_runs",
     "first_backward",
     "stack_depths",
     "step_evaluations",
@@ -487,6 +489,58 @@ def step_evaluations(schedule: Schedule) -> np.ndarray:
         if row.steps:
             counts[row.steps.start : row.steps.stop] += 1
     return counts
+
+
+def backward_runs(schedule: Schedule) -> np.ndarray:
+    """Which rows may record their step on top of the previous step's record, so that an
+    eager executor back-propagates a whole run of steps in one reverse pass.
+
+    A row that keeps a step's residuals (SAVE_INTERNAL, BACKWARD_FUSED) at step ``p`` is
+    marked when the state it starts from is the output of the internal state of step
+    ``p - 1`` (stored by the SAVE_INTERNAL just before it, or loaded by a LOAD_INTERNAL),
+    and that internal state is back-propagated right after step ``p`` (only FREE rows
+    between the two backward rows). An executor with a tape (PyTorch's autograd) may
+    then build step ``p``'s graph on step ``p - 1``'s instead of on a detached copy of
+    its output, and back-propagate a maximal run of marked steps, with the unmarked step
+    below it, in one call: the same evaluations, the same residuals alive at each moment
+    (each step's are released as the reverse pass leaves it), fewer calls. Walking the
+    rows with every mark ignored is the schedule itself.
+
+    Returns:
+        A bool array, one entry per row of ``schedule.actions``.
+
+    Raises:
+        ScheduleError: a schedule that breaks a rule of the replay (see `Walk`).
+    """
+    rows = schedule.actions
+    origin_of = np.full(len(rows), -1, dtype=np.int64)  # record row -> record row below
+    slot_row: dict[int, int] = {}  # internal slot -> the row that stored it
+    order: list[tuple[int, int]] = []  # (backward row, the row that recorded its step)
+    origin = -1  # the row whose record's output is the working state, or -1
+    for i, op, arg, _, _, _ in walk(schedule):
+        if op == _SAVE_I:
+            origin_of[i] = origin
+            slot_row[arg] = origin = i
+        elif op == _LOAD_I:
+            origin = slot_row[arg]
+        elif op == _BACK_I:
+            order.append((i, slot_row[arg]))
+            origin = -1
+        elif op == _FUSED:
+            origin_of[i] = origin
+            order.append((i, i))
+            origin = -1
+        elif op == _HOST_BACK_I:
+            order.append((i, -1))
+            origin = -1
+        elif op not in (_SAVE_H, _FREE_H, _FREE_I, _HOST_FREE_H, _HOST_FREE_I):
+            origin = -1  # ADVANCE, LOAD_HIDDEN, host copies: a state with no record
+    marked = np.zeros(len(rows), dtype=bool)
+    free = _IS_ANY_FREE[rows[:, 0]]
+    for (b_hi, r_hi), (b_lo, r_lo) in itertools.pairwise(order):
+        if r_hi >= 0 and r_lo >= 0 and origin_of[r_hi] == r_lo and free[b_hi + 1 : b_lo].all():
+            marked[r_hi] = True
+    return marked
 
 
 def first_backward(actions: np.ndarray) -> int:

@@ -9,6 +9,8 @@ imports torch (``import memento`` stays NumPy only). The schedules are
 - `checkpoint_sequential`: the optimal replacement for
   ``torch.utils.checkpoint.checkpoint_sequential``, planned with `memento.plan_chain` from
   each layer's measured cost and sizes;
+- `peak_bytes` and `LiveBytes`: the peak of live tensor bytes while a function runs, on
+  any device (on CPU, PyTorch counts none);
 - `fwdrev_grad`: ``torch.func.grad`` whose backward pass runs forward-over-reverse
   (MixFlow-MG, Listing 2 of Kemaev et al. 2025, made correct).
 """
@@ -19,4 +21,5 @@ from ._chain import (
     checkpoint_sequential as checkpoint_sequential,
 )
 from ._fwdrev import fwdrev_grad as fwdrev_grad
+from ._memory import LiveBytes as LiveBytes, peak_bytes as peak_bytes
 from ._scan import scan as scan, scan_schedule as scan_schedule

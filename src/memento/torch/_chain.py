@@ -7,75 +7,28 @@ runs once with grad enabled on the output of the previous one, under
 ``torch.utils.flop_counter.FlopCounterMode`` (its cost: the flops it counts, matrix
 products and convolutions, plus the output's elements so that element-wise layers cost
 something); the tensors its autograd graph saves are read from the graph, which is then
-dropped (the measuring pass keeps one layer's graph at a time). Sizes: ``x_p``'s bytes (hidden), and a layer's input,
-output and saved tensors other than parameters (internal). Planned with
-`memento.planning.plan_chain_bytes`.
+dropped (the measuring pass keeps one layer's graph at a time). Sizes: ``x_p``'s bytes
+(hidden), and a layer's input, output and saved tensors other than parameters
+(internal). Planned with `memento.planning.plan_layers`, as `memento.chain` plans.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..planning import (
-    Bytes,
-    Schedule,
-    first_backward,
-    parse_memory,
-    plan_chain_bytes,
-    step_evaluations,
-)
+from ..planning import Bytes, ChainPlan, ChainPolicy, check_layers, plan_layers
 from . import _tree
 from ._machine import Machine, Steps, make_function
 from ._probe import Closure, Storages, is_float, nbytes, refuse_functorch
 
 _NAME = "memento.torch.checkpoint_sequential"
-ChainPolicy = Literal["auto", "hsm", "msm"]
-_POLICIES = ("auto", "hsm", "msm")
 _CACHE_SIZE = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class ChainPlan:
-    """What `checkpoint_sequential` measured of a stack, and the schedule it runs.
-
-    Attributes:
-        schedule: the plan (`memento.plan_chain`), sizes in units of ``unit_bytes``.
-        unit_bytes: bytes per size unit of ``schedule``.
-        budget_bytes: the budget in bytes.
-        hidden_bytes: bytes of ``x_0 .. x_n`` (``x_n``, the output, is never stored).
-        internal_bytes: bytes of each layer's internal state: input, output, and the
-            tensors autograd saves for its backward (parameters excluded).
-        flops: each layer's measured cost (FlopCounterMode's flops plus output elements).
-    """
-
-    schedule: Schedule
-    unit_bytes: int
-    budget_bytes: int
-    hidden_bytes: tuple[int, ...]
-    internal_bytes: tuple[int, ...]
-    flops: tuple[float, ...]
-    trees: tuple = dataclasses.field(repr=False, default=())
-
-    @property
-    def num_layers(self) -> int:
-        return self.schedule.num_steps
-
-    @property
-    def peak_bytes(self) -> int:
-        """Most bytes of stored states at once, as planned (sizes rounded up to units)."""
-        return self.schedule.peak_memory * self.unit_bytes
-
-    def evaluations(self) -> np.ndarray:
-        """How many times the schedule evaluates each layer (forward pass included)."""
-        return step_evaluations(self.schedule)
 
 
 class _Layers(Steps):
@@ -117,22 +70,14 @@ class _Layers(Steps):
 def _check(layers, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
     if isinstance(layers, torch.nn.Sequential):
         layers = list(layers)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise TypeError(
-            f"{_NAME}: layers must be an nn.Sequential or a sequence of callables, got "
-            f"{type(layers).__name__}"
-        )
-    if len(layers) == 0:
-        raise ValueError(f"{_NAME}: layers is empty; pass at least one layer")
-    for p, f in enumerate(layers):
-        if not callable(f):
-            raise TypeError(f"{_NAME}: layers[{p}] is not callable ({type(f).__name__})")
-    if policy not in _POLICIES:
-        raise ValueError(f"{_NAME}: policy must be one of {_POLICIES}, got {policy!r}")
-    return list(layers), None if memory is None else parse_memory(memory, name=_NAME)
+    return check_layers(
+        layers, memory, policy, name=_NAME, what="layers", kinds="nn.Sequential, list or tuple"
+    )
 
 
-def _measure(layers: list[Callable], x_leaves: list, x_tree, budget, policy) -> ChainPlan:
+def _measure(
+    layers: list[Callable], x_leaves: list, x_tree, budget, policy
+) -> tuple[ChainPlan, tuple]:
     """One pass with grad enabled that stores nothing (see the module docstring)."""
     hidden, internal, flops, trees = [nbytes(x_leaves)], [], [], [x_tree]
     h = x_leaves
@@ -150,23 +95,16 @@ def _measure(layers: list[Callable], x_leaves: list, x_tree, budget, policy) -> 
         internal.append(hidden[p] + hidden[p + 1] + residual)
         flops.append(float(counter.get_total_flops()) + sum(t.numel() for t in leaves))
         h = [t.detach() for t in leaves]
-    # An int budget: slots of the largest state the plan may store.
-    slot = max(1, max(hidden[:-1]))
-    total = budget.num_bytes if isinstance(budget, Bytes) else budget * slot
-    schedule, unit = plan_chain_bytes(
-        flops, hidden, internal, total, internal=policy != "hsm", name=_NAME
-    )
-    return ChainPlan(
-        schedule, unit, total, tuple(hidden), tuple(internal), tuple(flops), tuple(trees)
-    )
+    return plan_layers(flops, hidden, internal, budget, policy, name=_NAME), tuple(trees)
 
 
-# (ids of the layers, input signature, budget, policy) -> (layers, plan). The layers are
+# (ids of the layers, input signature, budget, policy) -> (layers, plan, the structures
+# of x_0 .. x_n). The layers are
 # held so that their ids cannot be reused by other objects while the entry lives.
 _plans: collections.OrderedDict = collections.OrderedDict()
 
 
-def _plan(layers, x_leaves, x_tree, budget, policy) -> ChainPlan:
+def _plan(layers, x_leaves, x_tree, budget, policy) -> tuple[ChainPlan, tuple]:
     key = (
         tuple(id(l) for l in layers),
         x_tree,
@@ -176,12 +114,12 @@ def _plan(layers, x_leaves, x_tree, budget, policy) -> ChainPlan:
     )
     if key in _plans:
         _plans.move_to_end(key)
-        return _plans[key][1]
-    plan = _measure(layers, x_leaves, x_tree, budget, policy)
-    _plans[key] = (list(layers), plan)
+        return _plans[key][1:]
+    plan, trees = _measure(layers, x_leaves, x_tree, budget, policy)
+    _plans[key] = (list(layers), plan, trees)
     if len(_plans) > _CACHE_SIZE:
         _plans.popitem(last=False)
-    return plan
+    return plan, trees
 
 
 def chain_plan(
@@ -200,7 +138,7 @@ def chain_plan(
     if budget is None:
         raise TypeError(f"{_NAME}: chain_plan needs a memory budget, got None")
     x_leaves, x_tree = _tree.flatten(x, name=_NAME, what="x")
-    return _plan(layers, x_leaves, x_tree, budget, policy)
+    return _plan(layers, x_leaves, x_tree, budget, policy)[0]
 
 
 _Run = make_function(_NAME)
@@ -264,13 +202,12 @@ def checkpoint_sequential(
     refuse_functorch(_NAME, x_leaves)
     if budget is None or not torch.is_grad_enabled():
         return functools.reduce(lambda h, f: f(h), layers, x)
-    plan = _plan(layers, x_leaves, x_tree, budget, policy)
-    stack = _Layers(layers, plan.trees)
-    rows = plan.schedule.actions
-    machine = Machine(stack, x_leaves, rows, first_backward(rows))
+    plan, trees = _plan(layers, x_leaves, x_tree, budget, policy)
+    stack = _Layers(layers, trees)
+    machine = Machine(stack, x_leaves, plan.schedule)
     machine.sweep()
     if not (any(t.requires_grad for t in x_leaves) or stack.params):
-        return _tree.unflatten(plan.trees[-1], machine.cur)  # nothing to differentiate
+        return _tree.unflatten(trees[-1], machine.cur)  # nothing to differentiate
     n_x = len(x_leaves)
 
     def outputs(m: Machine):
@@ -285,4 +222,4 @@ def checkpoint_sequential(
         return [*ct_x, *m.ct_params]
 
     outs = _Run.apply(machine, outputs, grads, *x_leaves, *stack.params)
-    return _tree.unflatten(plan.trees[-1], list(outs))
+    return _tree.unflatten(trees[-1], list(outs))

@@ -9,6 +9,12 @@ keeps the result, a `Record`: the step's autograd graph holds its saved tensors 
 internal state, the paper's ISM slot) until ``torch.autograd.grad`` back-propagates
 it. BACKWARD_FUSED records the step from the current state and back-propagates it at
 once. FREE rows drop the references, so memory follows the schedule.
+Runs: where `memento.planning.backward_runs` marks a row, the step is recorded on the
+graph of the record below it (whose output it starts from, and which is
+back-propagated right after it), and a run of such steps is back-propagated by one
+``torch.autograd.grad`` when its bottom step's row comes: the same evaluations and the
+same saved tensors alive (the engine frees each step's as it leaves it), one call
+instead of one per step.
 A second backward pass through the same outputs (``retain_graph=True``, Jacobians,
 ``gradcheck``) runs the first sweep again first: its stored states were freed.
 
@@ -19,12 +25,12 @@ backward pass.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from ..planning import Op
+from ..planning import Op, Schedule, backward_runs, first_backward
 from ._probe import is_float
 
 
@@ -33,17 +39,21 @@ class Record:
 
     Attributes:
         pos: the step.
-        h_in, x_in: the detached inputs the graph starts from (float carry leaves require
-            grad; an ``x`` leaf does when its ``xs`` leaf does).
+        h_in, x_in: the inputs the graph starts from: detached (float carry leaves require
+            grad; an ``x`` leaf does when its ``xs`` leaf does), or, for ``h_in`` of a
+            linked record, the carry of the record of step ``pos - 1`` itself.
+        linked: whether the graph is built on step ``pos - 1``'s (`record`): the two are
+            back-propagated together.
         carry, y: the step's outputs, in the graph (``None`` once back-propagated).
         out: the output state, detached: what the next step starts from.
     """
 
-    __slots__ = ("carry", "h_in", "out", "pos", "x_in", "y")
+    __slots__ = ("carry", "h_in", "linked", "out", "pos", "x_in", "y")
 
-    def __init__(self, pos, h_in, x_in, carry, y):
+    def __init__(self, pos, h_in, x_in, carry, y, *, linked: bool = False):
         self.pos, self.h_in, self.x_in, self.carry, self.y = pos, h_in, x_in, carry, y
         self.out = [c.detach() for c in carry]
+        self.linked = linked
 
 
 class Steps:
@@ -81,23 +91,69 @@ class Steps:
         return []
 
 
-def record(steps: Steps, p: int, cur: list, x: list) -> Record:
-    """Step p from the state ``cur`` with its graph kept (see `Record`)."""
-    h_in = [c.detach().requires_grad_() if is_float(c) else c for c in cur]
+def record(steps: Steps, p: int, cur: list, x: list, below: Record | None = None) -> Record:
+    """Step p from the state ``cur`` with its graph kept (see `Record`).
+
+    With ``below`` (the record of step p-1, whose output is ``cur``), the graph starts
+    from ``below``'s carry rather than from detached copies of it, so that one
+    ``torch.autograd.grad`` back-propagates both (`memento.planning.backward_runs`).
+    """
+    if below is not None and below.carry is not None:
+        h_in = [c if c.requires_grad else o for c, o in zip(below.carry, below.out)]
+    else:
+        below = None
+        h_in = [c.detach().requires_grad_() if is_float(c) else c for c in cur]
     x_in = [xi.detach().requires_grad_() if n else xi for xi, n in zip(x, steps.x_needs())]
-    with torch.enable_grad():
+    if torch.is_grad_enabled():  # the machine's walks enable grad once for all rows
         carry, y = steps.call(p, h_in, x_in)
-    return Record(p, h_in, x_in, carry, y)
+    else:
+        with torch.enable_grad():
+            carry, y = steps.call(p, h_in, x_in)
+    return Record(p, h_in, x_in, carry, y, linked=below is not None)
+
+
+# The opcodes as plain ints: compared once per row.
+_ADVANCE, _SAVE_HIDDEN, _SAVE_INTERNAL = int(Op.ADVANCE), int(Op.SAVE_HIDDEN), int(Op.SAVE_INTERNAL)
+_LOAD_HIDDEN, _LOAD_INTERNAL = int(Op.LOAD_HIDDEN), int(Op.LOAD_INTERNAL)
+_BACKWARD_INTERNAL, _BACKWARD_FUSED = int(Op.BACKWARD_INTERNAL), int(Op.BACKWARD_FUSED)
+_FREE_HIDDEN, _FREE_INTERNAL = int(Op.FREE_HIDDEN), int(Op.FREE_INTERNAL)
+
+# id(schedule) -> (schedule, rows, first backward, marks): the planner caches schedules,
+# and reading one (a walk of its rows) costs as much as a short loop. The schedule is
+# held so that its id is not reused while the entry lives.
+_read: collections.OrderedDict = collections.OrderedDict()
+_READ_SIZE = 32
+
+
+def _rows(schedule: Schedule) -> tuple[list, int, list[bool]]:
+    """The rows as lists, the first backward row, and `backward_runs`' marks (cached)."""
+    key = id(schedule)
+    if key in _read and _read[key][0] is schedule:
+        _read.move_to_end(key)
+        return _read[key][1:]
+    rows = schedule.actions.tolist()
+    entry = (schedule, rows, first_backward(schedule.actions), backward_runs(schedule).tolist())
+    _read[key] = entry
+    if len(_read) > _READ_SIZE:
+        _read.popitem(last=False)
+    return entry[1:]
 
 
 class Machine:
-    """Runs schedule rows (see the module docstring); counts evaluations of the steps."""
+    """Runs schedule rows (see the module docstring); counts evaluations of the steps.
 
-    def __init__(self, steps: Steps, h0: list, rows: np.ndarray, first: int):
+    Runs of backward steps marked by `memento.planning.backward_runs` are recorded as
+    one graph and back-propagated by one ``torch.autograd.grad``: a call per run rather
+    than per step (a call costs tens of microseconds of Python and engine set-up, as
+    much as a small step's arithmetic).
+    """
+
+    def __init__(self, steps: Steps, h0: list, schedule: Schedule):
         self.steps = steps
         self.h0 = [h.detach() for h in h0]
-        self.rows, self.first = rows, first
+        self.rows, self.first, self.links = _rows(schedule)
         self.cur: list = list(self.h0)
+        self.below: Record | None = None  # the record whose output ``cur`` is
         self.hidden: dict[int, list] = {}
         self.internal: dict[int, Record] = {}
         self.working: Record | None = None
@@ -107,55 +163,75 @@ class Machine:
         self.ct_x: list = []
         self.ct_params: list = []
         self.param_needs: list[bool] = []
+        self._run: list[Record] = []  # backward steps waiting for the bottom of their run
 
     # -- evaluations ------------------------------------------------------------------
 
-    def _plain(self, p: int) -> tuple[list, list]:
-        if self.pre is not None and self.pre.pos == p:
-            rec, self.pre = self.pre, None
-            return rec.out, [y.detach() for y in rec.y]
-        self.evaluations += 1
+    def _advance(self, start: int, stop: int, emit: Callable | None = None) -> None:
+        """Steps ``start .. stop - 1`` under ``no_grad`` from ``cur``, only the carry
+        kept (and each ``y`` passed to ``emit``, in the first sweep)."""
+        cur = self.cur
+        if self.pre is not None and self.pre.pos == start:  # step 0, run by the probe
+            cur = self.pre.out
+            if emit is not None:
+                emit(start, [y.detach() for y in self.pre.y])
+            self.pre = None
+            start += 1
+        self.evaluations += stop - start
+        call, x = self.steps.call, self.steps.x
         with torch.no_grad():
-            carry, y = self.steps.call(p, self.cur, self.steps.x(p))
-        return [c.detach() for c in carry], y
+            for q in range(start, stop):
+                cur, y = call(q, cur, x(q))
+                if emit is not None:
+                    emit(q, y)
+        self.cur = [c.detach() for c in cur]  # a step may return a tensor needing grad
 
-    def _record(self, p: int) -> Record:
+    def _record(self, p: int, i: int) -> Record:
+        """Step p (row i) with its graph, on the graph below it when row i is marked."""
+        below = self.below if self.links[i] else None
         if self.pre is not None and self.pre.pos == p:
             rec, self.pre = self.pre, None
-            return rec
-        self.evaluations += 1
-        return record(self.steps, p, self.cur, self.steps.x(p))
+        else:
+            self.evaluations += 1
+            rec = record(self.steps, p, self.cur, self.steps.x(p), below)
+        self.below = rec
+        return rec
 
     # -- the rows ---------------------------------------------------------------------
 
     def sweep(self, *, emit_ys: bool = True) -> list:
         """Runs the first sweep; returns the output state (every ``y`` emitted)."""
-        self.cur, self.working = list(self.h0), None
+        self.cur, self.working, self.below = list(self.h0), None, None
         self.hidden.clear()
         self.internal.clear()
-        emit = self.steps.emit if emit_ys else (lambda p, y: None)
-        for op, arg, pos in self.rows[: self.first + 1].tolist():
-            if op == Op.ADVANCE:
-                for q in range(pos, pos + arg):
-                    self.cur, y = self._plain(q)
-                    emit(q, y)
-            elif op == Op.SAVE_HIDDEN:
-                self.hidden[arg] = self.cur
-            elif op == Op.SAVE_INTERNAL:
-                rec = self.internal[arg] = self._record(pos)
-                emit(pos, [y.detach() for y in rec.y])
-                self.cur = rec.out
-            elif op == Op.BACKWARD_FUSED:  # the last step: its graph waits for backward
-                rec = self.working = self._record(pos)
-                emit(pos, [y.detach() for y in rec.y])
-                self.cur = rec.out
-            elif op == Op.FREE_HIDDEN:
-                del self.hidden[arg]
-            elif op == Op.FREE_INTERNAL:
-                del self.internal[arg]
-            # BACKWARD_INTERNAL ends the sweep; the current state is that slot's output.
+        emit = self.steps.emit if emit_ys else None
+        with torch.enable_grad():
+            self._sweep(emit)
         self.pre = None
         return self.cur
+
+    def _sweep(self, emit: Callable | None) -> None:
+        for i, (op, arg, pos) in enumerate(self.rows[: self.first + 1]):
+            if op == _ADVANCE:
+                self.below = None
+                self._advance(pos, pos + arg, emit)
+            elif op == _SAVE_HIDDEN:
+                self.hidden[arg] = self.cur
+            elif op == _SAVE_INTERNAL:
+                rec = self.internal[arg] = self._record(pos, i)
+                if emit is not None:
+                    emit(pos, [y.detach() for y in rec.y])
+                self.cur = rec.out
+            elif op == _BACKWARD_FUSED:  # the last step: its graph waits for backward
+                rec = self.working = self._record(pos, i)
+                if emit is not None:
+                    emit(pos, [y.detach() for y in rec.y])
+                self.cur = rec.out
+            elif op == _FREE_HIDDEN:
+                del self.hidden[arg]
+            elif op == _FREE_INTERNAL:
+                del self.internal[arg]
+            # BACKWARD_INTERNAL ends the sweep; the current state is that slot's output.
 
     def backward(self, ct: list, param_needs: list[bool]) -> None:
         """Runs the remaining rows from the output cotangents ``ct`` (None: zero).
@@ -167,46 +243,73 @@ class Machine:
         self.param_needs = list(param_needs)
         self.ct_params = [None] * len(self.steps.params)
         self.ct_x = []
-        for op, arg, pos in self.rows[self.first :].tolist():
-            if op == Op.ADVANCE:
-                for q in range(pos, pos + arg):
-                    self.cur = self._plain(q)[0]
-            elif op == Op.SAVE_HIDDEN:
-                self.hidden[arg] = self.cur
-            elif op == Op.SAVE_INTERNAL:
-                rec = self.internal[arg] = self._record(pos)
-                self.cur = rec.out
-            elif op == Op.LOAD_HIDDEN:
-                self.cur = self.h0 if arg == -1 else self.hidden[arg]
-            elif op == Op.LOAD_INTERNAL:
-                self.cur = self.internal[arg].out
-            elif op == Op.BACKWARD_INTERNAL:
-                self._backward(self.internal[arg])
-            elif op == Op.BACKWARD_FUSED:
-                rec = self.working if self.working is not None else self._record(pos)
-                self.working = None
-                self._backward(rec)
-            elif op == Op.FREE_HIDDEN:
-                del self.hidden[arg]
-            elif op == Op.FREE_INTERNAL:
-                del self.internal[arg]
+        self._run = []
+        self._owned: set[int] = set()  # entries of ct_params that are sums made here
+        with torch.enable_grad():
+            self._walk_backward()
+        assert not self._run, "a run of backward steps was left without its bottom step"
         self.hidden.clear()
         self.internal.clear()
 
+    def _walk_backward(self) -> None:
+        for i in range(self.first, len(self.rows)):
+            op, arg, pos = self.rows[i]
+            if op == _ADVANCE:
+                self.below = None
+                self._advance(pos, pos + arg)
+            elif op == _SAVE_HIDDEN:
+                self.hidden[arg] = self.cur
+            elif op == _SAVE_INTERNAL:
+                rec = self.internal[arg] = self._record(pos, i)
+                self.cur = rec.out
+            elif op == _LOAD_HIDDEN:
+                self.below = None
+                self.cur = self.h0 if arg == -1 else self.hidden[arg]
+            elif op == _LOAD_INTERNAL:
+                self.below = self.internal[arg]
+                self.cur = self.below.out
+            elif op == _BACKWARD_INTERNAL:
+                self.below = None
+                self._backward(self.internal[arg])
+            elif op == _BACKWARD_FUSED:
+                rec = self.working if self.working is not None else self._record(pos, i)
+                self.working = self.below = None
+                self._backward(rec)
+            elif op == _FREE_HIDDEN:
+                del self.hidden[arg]
+            elif op == _FREE_INTERNAL:
+                del self.internal[arg]
+
     def _backward(self, rec: Record) -> None:
-        """``torch.autograd.grad`` of one recorded step; the graph is freed after."""
-        steps, p = self.steps, rec.pos
+        """Back-propagates ``rec``, with the run of linked records above it, in one
+        ``torch.autograd.grad``; a linked record waits for the one below it."""
+        self._run.append(rec)
+        if rec.linked:
+            return
+        run, self._run = self._run, []
+        steps, top = self.steps, run[0]
         outs, gouts = [], []
-        for o, g in zip([*rec.carry, *rec.y], [*self.ct, *steps.y_cotangent(p)]):
+        assert top.carry is not None and rec.carry is not None
+        for o, g in zip(top.carry, self.ct):
             if g is not None and o.requires_grad:
                 outs.append(o)
                 gouts.append(g)
+        for r in run:
+            assert r.y is not None
+            for o, g in zip(r.y, steps.y_cotangent(r.pos)):
+                if g is not None and o.requires_grad:
+                    outs.append(o)
+                    gouts.append(g)
         h_idx = [i for i, h in enumerate(rec.h_in) if h.requires_grad]
-        x_idx = [j for j, x in enumerate(rec.x_in) if x.requires_grad]
-        k_idx = [k for k in steps.param_index(p) if self.param_needs[k]]
-        ins = [rec.h_in[i] for i in h_idx] + [rec.x_in[j] for j in x_idx]
+        ins = [rec.h_in[i] for i in h_idx]
+        x_idx = []
+        for r in run:
+            x_idx.append([j for j, x in enumerate(r.x_in) if x.requires_grad])
+            ins += [r.x_in[j] for j in x_idx[-1]]
+        k_idx = sorted({k for r in run for k in steps.param_index(r.pos) if self.param_needs[k]})
         ins += [steps.params[k] for k in k_idx]
-        rec.carry = rec.y = None  # the graph lives on in outs until grad frees it
+        for r in run:
+            r.carry = r.y = None  # the graph lives on in outs until grad frees it
         ct: list = [None] * len(rec.h_in)
         grads: Sequence = [None] * len(ins)
         if outs and ins:
@@ -215,11 +318,21 @@ class Machine:
         for i, g in zip(h_idx, grads):
             ct[i] = g
         self.ct = ct
-        gx = grads[len(h_idx) : len(h_idx) + len(x_idx)]
-        self.ct_x.append((p, dict(zip(x_idx, gx))))
-        for k, g in zip(k_idx, grads[len(h_idx) + len(x_idx) :]):
-            if g is not None:
-                self.ct_params[k] = g if self.ct_params[k] is None else self.ct_params[k] + g
+        at = len(h_idx)
+        for r, js in zip(run, x_idx):
+            self.ct_x.append((r.pos, dict(zip(js, grads[at : at + len(js)]))))
+            at += len(js)
+        for k, g in zip(k_idx, grads[at:]):
+            if g is None:
+                continue
+            acc = self.ct_params[k]
+            if acc is None:
+                self.ct_params[k] = g  # autograd's: it may alias a cotangent, keep it intact
+            elif k in self._owned:
+                acc.add_(g)  # a sum of ours: in place, no third tensor at the peak
+            else:
+                self.ct_params[k] = acc + g
+                self._owned.add(k)
 
 
 def make_function(name: str) -> type[torch.autograd.Function]:

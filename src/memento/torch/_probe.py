@@ -40,15 +40,16 @@ def refuse_functorch(name: str, leaves: Iterable[torch.Tensor]) -> None:
         )
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj``, a tensor or nested lists, tuples and dicts of them."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from _tensors(o)
+            yield from tensors(o)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from tensors(o)
 
 
 class Closure(TorchFunctionMode):
@@ -71,7 +72,7 @@ class Closure(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not torch._C._are_functorch_transforms_active():
-            for t in _tensors((args, kwargs)):
+            for t in tensors((args, kwargs)):
                 if (
                     t.requires_grad
                     and id(t) not in self._known
@@ -80,7 +81,7 @@ class Closure(TorchFunctionMode):
                 ):
                     self.found[id(t)] = t
         out = func(*args, **kwargs)
-        for t in _tensors(out):
+        for t in tensors(out):
             self._known.add(id(t))
             self._keep.append(t)
         return out
@@ -135,10 +136,10 @@ class Storages:
             for name in dir(node):
                 if name.startswith("_saved_"):
                     with contextlib.suppress(RuntimeError):  # a value already freed
-                        self.add(_tensors(getattr(node, name)))
+                        self.add(tensors(getattr(node, name)))
             if hasattr(node, "saved_tensors"):  # a custom autograd.Function's node
                 with contextlib.suppress(RuntimeError):
-                    self.add(_tensors(cast(Any, node).saved_tensors))
+                    self.add(tensors(cast(Any, node).saved_tensors))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def bytes_except(self, *groups: Iterable[torch.Tensor]) -> int:

@@ -14,7 +14,6 @@ from ..planning import (
     Schedule,
     check_policy,
     choose_schedule,
-    first_backward,
     internal_slots,
     parse_memory,
     to_slots,
@@ -32,6 +31,7 @@ class _Loop(Steps):
     def __init__(self, step, h_tree, x_leaves, x_tree, num_steps):
         self.step, self.h_tree, self.x_tree = step, h_tree, x_tree
         self.x_leaves, self.num_steps = x_leaves, num_steps
+        self._xs = [x.detach() for x in x_leaves]  # xs[p] is then a view with no graph
         self._x_needs = [x.requires_grad and is_float(x) for x in x_leaves]
         self.params: list[torch.Tensor] = []
         self.ys: list[torch.Tensor] = []
@@ -42,12 +42,13 @@ class _Loop(Steps):
         carry, y = _call(
             self.step, _tree.unflatten(self.h_tree, h), _tree.unflatten(self.x_tree, x)
         )
-        return _tree.flatten(carry, name=_NAME, what="the carry")[0], _tree.flatten(
-            y, name=_NAME, what="y"
-        )[0]
+        # The structure was checked on step 0 (`_probe`); leaves are all that is read.
+        return _tree.leaves(carry, name=_NAME, what="the carry"), (
+            [] if y is None else _tree.leaves(y, name=_NAME, what="y")
+        )
 
     def x(self, p):
-        return [x[p].detach() for x in self.x_leaves]
+        return [x[p] for x in self._xs]
 
     def x_needs(self):
         return self._x_needs
@@ -287,8 +288,7 @@ def scan(
         )
         return _plain(step, h0, xs, loop.x_leaves, loop.x_tree, num_steps, start=start)
     loop.ys = [torch.empty((num_steps, *y.shape), dtype=y.dtype, device=y.device) for y in rec0.y]
-    rows = schedule.actions
-    machine = Machine(loop, h_leaves, rows, first_backward(rows))
+    machine = Machine(loop, h_leaves, schedule)
     machine.pre = rec0
     machine.sweep()
     n_h, n_x = len(h_leaves), len(loop.x_leaves)

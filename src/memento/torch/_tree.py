@@ -23,44 +23,79 @@ def flatten(tree: Any, *, name: str, what: str) -> tuple[list[torch.Tensor], Tre
             the argument, for the message).
     """
     leaves: list[torch.Tensor] = []
-    return leaves, _walk(tree, "", leaves, name, what)
+    try:
+        return leaves, _walk(tree, leaves)
+    except _NotATensor:
+        _walk_named(tree, "", name, what)  # raises, naming the path
+        raise
+
+
+class _NotATensor(Exception):
+    pass
+
+
+_LEAF: TreeDef = ("leaf",)
+_NONE: TreeDef = ("none",)
 
 
 # Module-level recursion: a nested recursive function would be a reference cycle holding
-# the leaves (activations) until the garbage collector runs.
-def _walk(t: Any, path: str, leaves: list, name: str, what: str) -> TreeDef:
+# the leaves (activations) until the garbage collector runs. The executors flatten every
+# step's output: no strings are built here (`_walk_named` finds the path of an error).
+def _walk(t: Any, leaves: list) -> TreeDef:
     if isinstance(t, torch.Tensor):
         leaves.append(t)
-        return ("leaf",)
+        return _LEAF
     if t is None:
-        return ("none",)
-    if isinstance(t, tuple) and hasattr(t, "_fields"):
-        return (
-            "namedtuple",
-            type(t),
-            tuple(
-                _walk(v, f"{path}.{f}", leaves, name, what) for f, v in zip(cast(Any, t)._fields, t)
-            ),
-        )
-    if isinstance(t, (tuple, list)):
-        kind = "tuple" if isinstance(t, tuple) else "list"
-        return (kind, tuple(_walk(v, f"{path}[{i}]", leaves, name, what) for i, v in enumerate(t)))
+        return _NONE
+    if isinstance(t, tuple):
+        if hasattr(t, "_fields"):
+            return ("namedtuple", type(t), tuple(_walk(v, leaves) for v in t))
+        return ("tuple", tuple(_walk(v, leaves) for v in t))
+    if isinstance(t, list):
+        return ("list", tuple(_walk(v, leaves) for v in t))
     if isinstance(t, dict):
         keys = tuple(t)
-        return (
-            "dict",
-            keys,
-            tuple(_walk(t[k], f"{path}[{k!r}]", leaves, name, what) for k in keys),
+        return ("dict", keys, tuple(_walk(t[k], leaves) for k in keys))
+    raise _NotATensor
+
+
+def _walk_named(t: Any, path: str, name: str, what: str) -> None:
+    if isinstance(t, torch.Tensor) or t is None:
+        return
+    if isinstance(t, tuple) and hasattr(t, "_fields"):
+        for f, v in zip(cast(Any, t)._fields, t):
+            _walk_named(v, f"{path}.{f}", name, what)
+    elif isinstance(t, (tuple, list)):
+        for i, v in enumerate(t):
+            _walk_named(v, f"{path}[{i}]", name, what)
+    elif isinstance(t, dict):
+        for k, v in t.items():
+            _walk_named(v, f"{path}[{k!r}]", name, what)
+    else:
+        raise TypeError(
+            f"{name}: {what}{path} is a {type(t).__name__}, not a tensor; {what} must be a "
+            "tensor or nested tuples, lists and dicts of tensors (wrap numbers with "
+            "torch.tensor)"
         )
-    raise TypeError(
-        f"{name}: {what}{path} is a {type(t).__name__}, not a tensor; {what} must be a "
-        "tensor or nested tuples, lists and dicts of tensors (wrap numbers with "
-        "torch.tensor)"
-    )
+
+
+def leaves(tree: Any, *, name: str, what: str) -> list[torch.Tensor]:
+    """`flatten`'s leaves only; a tensor, or a tuple or list of tensors, without a walk
+    (the executors read every step's output)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if type(tree) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in tree):
+        return list(tree)
+    return flatten(tree, name=name, what=what)[0]
 
 
 def unflatten(treedef: TreeDef, leaves: list) -> Any:
     """The inverse of `flatten`."""
+    kind = treedef[0]
+    if kind == "leaf":
+        return leaves[0]
+    if kind == "tuple" and len(leaves) == len(treedef[1]) and all(c is _LEAF for c in treedef[1]):
+        return tuple(leaves)  # a flat tuple, as an LSTM's (h, c)
     return _build(treedef, iter(leaves))
 
 
