@@ -194,6 +194,17 @@ def test_jvp_raises_clearly():
     jax.jvp(lambda w: rnn_loss(budgeted(memory=None), w, h0, xs), (w,), (w,))
 
 
+# The counting cell's callbacks run inside the backward loop's fused steps. XLA in
+# jaxlib 0.5.3 (the oldest JAX pyproject allows) drops or hoists them there, so they count
+# fewer evaluations than were made (the gradients are still exact); the counts are checked
+# from the JAX release where the callbacks all run.
+COUNTS_RUN = pytest.mark.xfail(
+    jax.__version_info__ < (0, 6),
+    reason="jaxlib 0.5 drops debug callbacks inside the backward loop's fused steps",
+    strict=False,
+)
+
+
 def counting_cell(w, counts):
     """An RNN cell that counts its forward evaluations and its pullbacks at run time."""
 
@@ -227,6 +238,7 @@ def counting_cell(w, counts):
     return cell
 
 
+@COUNTS_RUN
 @pytest.mark.parametrize(
     "policy,memory", [("hsm", 1), ("hsm", 3), ("ism", 4), ("auto", 6), ("msm", 7), ("hsm", 100)]
 )

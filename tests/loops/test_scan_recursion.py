@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from test_scan import counting_cell, rnn_params, x64  # noqa: F401 (x64: float64, autouse)
+from test_scan import COUNTS_RUN, counting_cell, rnn_params, x64  # noqa: F401 (x64: float64, autouse)
 
 import memento
 from memento.loops import _recursion, _scan
@@ -28,6 +28,7 @@ def test_first_pushes_are_the_schedules_first_sweep(t, m):
     assert _recursion.first_pushes(t, m) == saved
 
 
+@COUNTS_RUN
 @pytest.mark.parametrize("memory", [1, 2, 3, 5, 24, 100])
 def test_evaluations_equal_the_optimal_schedule(memory):
     t = 23
