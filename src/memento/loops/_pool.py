@@ -242,7 +242,7 @@ def check(ok, what: str) -> None:
 
 def host_space():
     """``jax.memory.Space.Host`` when JAX and the default backend have a ``pinned_host``
-    memory kind (JAX 0.4.3x on: GPU, TPU, and CPU, where it is the same RAM), else None:
+    memory kind (GPUs, TPUs, and the CPU, where it is the same RAM), else None:
     then host slots stay in device memory, running the same schedule with the same
     numbers."""
     space = getattr(getattr(jax, "memory", None), "Space", None)

@@ -103,10 +103,12 @@ def scan(
             ``(write, read)``), e.g. carry bytes / link bandwidth / step time.
 
     Host placement: host slots are placed in host memory (``jax.memory.Space.Host``,
-    memory kind ``pinned_host``) where JAX has memory kinds and the default backend a
-    ``pinned_host`` memory: JAX 0.4.31 and later on GPU and TPU (on CPU it is the same
-    RAM). Elsewhere (older JAX, backends without it) the same schedule runs with every
-    slot on the device, with identical numbers. Each copy is issued by the row that needs
+    memory kind ``pinned_host``) where JAX has ``jax.memory.Space`` and the default
+    backend a ``pinned_host`` memory: GPUs, TPUs and the CPU (the same RAM there); tested
+    with JAX 0.10.2 on CPU, and lowered for ``cuda``. Elsewhere (older JAX, backends
+    without it) the same schedule runs with every slot on the device, with identical
+    numbers. Under an outer ``jvp`` (``jax.hessian``) host slots stay on the device: JAX
+    0.10.2 builds the zero tangent of a host array in device memory. Each copy is issued by the row that needs
     it, not prefetched a row ahead: where a copy is slower than a step, the model's
     ``max(compute, transfer)`` is a lower bound on the time. The gradient with host slots
     is checked on CPU only (the GPU runs are pending); openxla/xla#46231 gave wrong
