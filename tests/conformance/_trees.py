@@ -168,7 +168,8 @@ def budgets(draw, carry_bytes: int):
             ]
         )
     )
-    text = f"{math.ceil(n / size * 1000) / 1000:g}{unit}"
+    # Plain decimals ("1099511627776B"): memory= strings take no exponent ("1.1e+12B").
+    text = f"{math.ceil(n / size * 1000) / 1000:.3f}".rstrip("0").rstrip(".") + unit
     if int(float(text[: -len(unit)]) * size) < lo:  # rounded below one slot
         text = f"{lo}B"
     return text

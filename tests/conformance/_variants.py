@@ -5,8 +5,10 @@ The memento variants cover every policy, budgets of 1 and 2 slots, a third of th
 and more than the length, ``unroll`` and a byte budget. Every HSM and auto variant runs
 through both executors of `memento.scan`: ``executor="rows"`` (the schedule as rows of
 data) and ``executor="recursion"`` (HSM's binomial recursion on the device; auto then
-plans HSM). ISM and MSM run as rows only, the one executor they have. Tests compare each
-with ``lax.scan`` (or an unrolled loop) in float64.
+plans HSM). ISM and MSM run as rows only, the one executor they have. The `HOST` variants
+add a host level (``host_memory=``, from one host slot to unbounded, cheap and dear
+transfers): two-level plans, run by the rows. Tests compare each with ``lax.scan`` (or an
+unrolled loop) in float64.
 
 The executor acts only in the backward pass: a loop that is not differentiated is
 ``lax.scan`` whatever it says, so the value-only tests take `ROWS` (no recursion twins).
@@ -14,6 +16,7 @@ The executor acts only in the backward pass: a loop that is not differentiated i
 
 import dataclasses
 import functools
+import math
 
 import jax
 import numpy as np
@@ -31,6 +34,8 @@ class Variant:
     policy: str = "auto"
     unroll: int = 1
     executor: str = "rows"  # `memento.scan`'s executor=
+    host_memory: object = None  # `memento.scan`'s host_memory= and transfer_cost=
+    transfer_cost: object = None
 
     def __call__(self, f, init, xs=None, length=None, reverse=False, unroll=1):
         if self.memory is None:
@@ -39,6 +44,7 @@ class Variant:
             f, init, xs, length, reverse, max(unroll, self.unroll),
             memory=self.memory, policy=self.policy,
             executor=self.executor,
+            host_memory=self.host_memory, transfer_cost=self.transfer_cost,
         )  # fmt: skip
 
     def __repr__(self):
@@ -66,11 +72,19 @@ ROWS = [
 ]
 # The recursion twin of every variant whose policy it runs (HSM; auto, planned as HSM).
 RECURSION = [recursion(v) for v in ROWS if v.policy in ("hsm", "auto")]
-MEMENTO = [*ROWS, *RECURSION]
+# Two-level plans: 1 host slot to unbounded, transfers cheaper and dearer than a step.
+HOST = [
+    Variant("host-hsm-1-1", 1, "hsm", host_memory=1, transfer_cost=0.5),
+    Variant("host-hsm-2-inf", 2, "hsm", host_memory=math.inf, transfer_cost=0.1),
+    Variant("host-msm-2-3", 2, "msm", host_memory=3, transfer_cost=(2.0, 0.5)),
+    Variant("host-auto-third-inf", T // 3, "auto", host_memory=math.inf, transfer_cost=0.5),
+    Variant("host-auto-bytes", "96B", "auto", host_memory="1MiB", transfer_cost=0.3),
+]
+MEMENTO = [*ROWS, *RECURSION, *HOST]
 ALL = [LAX, *MEMENTO]
 # A smaller set for the costlier tests (dtypes, second order under vmap, ...): each
 # policy once, and the HSM and auto members through both executors.
-_FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll"]
+_FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll", "host-msm-2-3", "host-auto-third-inf"]
 FEW = [v for v in MEMENTO if v.name.replace("-rec", "") in _FEW]
 
 

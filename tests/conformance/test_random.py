@@ -5,7 +5,8 @@ float64, float32, complex128, int32, int8, uint8, bool; scalars, vectors and zer
 leaves in any position), the inputs ``xs`` and outputs ``ys`` (zero-size ones too), NaN,
 inf and -0.0 in values and cotangents, the budget (log-uniform from one slot to 2^40
 bytes, as slots, a size string or `memento.bytes_budget`), the policy, the executor
-(rows, the recursion where it runs the policy, auto), ``reverse``, ``unroll``, ``jit``,
+(rows, the recursion where it runs the policy, auto), a host level (none, 1 or 3 host
+slots, unbounded; HSM/MSM/auto on the rows), ``reverse``, ``unroll``, ``jit``,
 ``vmap`` and forward-over-reverse second order. Each example compares the values, the
 vector-Jacobian product for random cotangents and (if drawn) its forward derivative with
 lax.scan's: NaN and inf positions and the signs of zeros exactly, other values to 1e-9
@@ -16,6 +17,7 @@ lax.scan's: NaN and inf positions and the signs of zeros exactly, other values t
 """
 
 import functools
+import math
 import os
 
 import jax
@@ -53,6 +55,7 @@ def cases(draw):
         "vmap": draw(st.booleans()),
         "second_order": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**16)),
+        "host": draw(st.sampled_from([None, None, 1, 3, math.inf])),
     }
 
 
@@ -115,7 +118,7 @@ def _case(carry, memory, policy="hsm", executor="rows", **kw):
     return {
         "length": 7, "carry": carry, "drive": [], "zero_y": False, "policy": policy,
         "executor": executor, "memory": memory, "reverse": False, "unroll": 1, "jit": False,
-        "vmap": False, "second_order": False, "seed": 0, **kw,
+        "vmap": False, "second_order": False, "seed": 0, "host": None, **kw,
     }  # fmt: skip
 
 
@@ -156,6 +159,12 @@ _SCALARS = [
 @example(_case(_MIXED, memento.bytes_budget(2**40), "auto", "recursion", zero_y=True))
 @example(_case(_MIXED, "1TiB", "ism", "auto", reverse=True, jit=True))
 @example(_case(_SCALARS, 1, "msm", unroll=2, vmap=True, second_order=True))
+@example(
+    _case(
+        _MIXED, 2, "auto", host=1, reverse=True, jit=True, drive=[Leaf("smooth", np.float32, (0,))]
+    )
+)
+@example(_case(_SCALARS, 1, "msm", host=math.inf, vmap=True, second_order=True, length=10))
 @example(_case(_SCALARS, 2**40, "auto", "recursion", length=10, vmap=True, second_order=True))
 @settings(
     max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
@@ -168,10 +177,15 @@ def test_memento_scan_equals_lax_scan(case):
             lambda a: np.stack([a, -0.5 * a]), (args, cts, tangents)
         )
 
+    policy, executor, host = case["policy"], case["executor"], {}
+    if case["host"] is not None:  # a two-level plan: HSM or MSM, on the rows
+        policy = "msm" if policy == "ism" else policy
+        executor = "rows" if executor == "recursion" else executor
+        host = {"host_memory": case["host"], "transfer_cost": 0.5}
+
     def budgeted(f, init, xs, **kw):
         return memento.scan(
-            f, init, xs, **kw, memory=case["memory"], policy=case["policy"],
-            executor=case["executor"],
+            f, init, xs, **kw, memory=case["memory"], policy=policy, executor=executor, **host
         )  # fmt: skip
 
     def results(scan):
@@ -186,7 +200,7 @@ def test_memento_scan_equals_lax_scan(case):
     try:
         got = results(budgeted)
     except ValueError as e:  # ISM below one internal state: the one refusal accepted
-        assert case["policy"] == "ism", e
+        assert policy == "ism", e
         assert "needs room for one internal state" in str(e), e
         return
     if not case["second_order"]:

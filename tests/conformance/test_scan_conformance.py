@@ -16,7 +16,7 @@ from jax import lax
 
 import memento
 
-from ._variants import ALL, FEW, LAX, MEMENTO, RECURSION, ROWS, T, assert_close
+from ._variants import ALL, FEW, HOST, LAX, MEMENTO, RECURSION, ROWS, T, assert_close
 
 # Tests of values only take the rows variants: the executor acts in the backward pass.
 VALUES = [LAX, *ROWS]
@@ -341,3 +341,15 @@ def test_variants_really_are_budgeted():
         (rows,) = (s for s in ROWS if s.name == rec.name.replace("-rec", ""))
         assert jaxpr(rec) != jaxpr(rows), rec
     assert memento.scan.__module__.startswith("memento")
+
+
+def test_host_variants_really_use_the_host():
+    # Each two-level variant's plan stores to the host and loads back, within its budgets.
+    for s in HOST:
+        schedule = memento.loops.scan_schedule(
+            body, C0, XS, memory=s.memory, policy=s.policy,
+            host_memory=s.host_memory, transfer_cost=s.transfer_cost,
+        )  # fmt: skip
+        r = schedule.simulate()
+        assert r.host_stores > 0 and r.host_loads > 0, (s, r)
+        assert schedule.host_memory == s.host_memory or isinstance(s.host_memory, str)

@@ -242,13 +242,71 @@ def test_simulator_host_internal_states():
         simulate(_sched(rows, 2, host=1, alpha=2))
 
 
-def test_executors_refuse_host_rows():
+def test_stack_depths_refuses_host_rows():
     s = _plan(30, 3, host_memory=math.inf, transfer_cost=0.5)
     assert (s.actions[:, 0] >= Op.HOST_SAVE_HIDDEN).any()
     with pytest.raises(NotImplementedError, match=r"stack_depths: row \d+ .* host-memory row"):
         memento.planning.stack_depths(s.actions)
     ex = s.executable()
     assert not np.isin(ex[:, 0], (Op.HOST_FREE_HIDDEN, Op.HOST_FREE_INTERNAL, Op.FREE_HIDDEN)).any()
+
+
+def _depths_oracle(actions):
+    """two_level_depths by a Python stack per level: (on_host, nh, ni) per executable row."""
+    host_ops = {
+        Op.HOST_SAVE_HIDDEN: ("h", "save"), Op.HOST_SAVE_INTERNAL: ("i", "save"),
+        Op.HOST_LOAD_HIDDEN: ("h", "use"), Op.HOST_LOAD_INTERNAL: ("i", "use"),
+        Op.HOST_BACKWARD_INTERNAL: ("i", "use"),
+        Op.HOST_FREE_HIDDEN: ("h", "free"), Op.HOST_FREE_INTERNAL: ("i", "free"),
+    }  # fmt: skip
+    device_ops = {
+        Op.SAVE_HIDDEN: ("h", "save"), Op.SAVE_INTERNAL: ("i", "save"),
+        Op.LOAD_HIDDEN: ("h", "use"), Op.LOAD_INTERNAL: ("i", "use"),
+        Op.BACKWARD_INTERNAL: ("i", "use"),
+        Op.FREE_HIDDEN: ("h", "free"), Op.FREE_INTERNAL: ("i", "free"),
+    }  # fmt: skip
+    stacks = {False: [], True: []}  # (kind, slot) per level
+    out = []
+    for op, arg, _ in actions.tolist():
+        host = op in host_ops
+        kind, what = (host_ops if host else device_ops).get(op, (None, None))
+        stack = stacks[host]
+        if what == "free":
+            assert stack[-1] == (kind, arg)
+            stack.pop()
+            continue
+        if kind is None or (op == Op.LOAD_HIDDEN and arg == -1):
+            below = stacks[False]  # rows without a slot: the device states live then
+            out.append((False, sum(k == "h" for k, _ in below), sum(k == "i" for k, _ in below)))
+            continue
+        at = len(stack) if what == "save" else stack.index((kind, arg))
+        below = stack[:at]
+        out.append((host, sum(k == "h" for k, _ in below), sum(k == "i" for k, _ in below)))
+        if what == "save":
+            stack.append((kind, arg))
+    return np.array(out, np.int64).reshape(-1, 3)
+
+
+@pytest.mark.parametrize(
+    "t, m, host, policy, cost",
+    [(30, 3, math.inf, "hsm", 0.5), (20, 2, 3, "hsm", 2.0), (25, 4, 5, "msm", 0.3),
+     (12, 3, math.inf, "msm", 1.5), (9, 1, 1, "hsm", 0.1)],
+)  # fmt: skip
+def test_two_level_depths_match_a_stack_per_level(t, m, host, policy, cost):
+    alpha = 2 if policy == "msm" else None
+    s = _plan(t, m, policy=policy, alpha=alpha, host_memory=host, transfer_cost=cost)
+    on_host, nh, ni = memento.planning.two_level_depths(s.actions)
+    expected = _depths_oracle(s.actions)
+    np.testing.assert_array_equal(np.stack([on_host, nh, ni], axis=1), expected)
+
+
+def test_two_level_depths_refuses_a_release_out_of_order():
+    rows = [
+        (Op.HOST_SAVE_HIDDEN, 0, 0), (Op.ADVANCE, 1, 0), (Op.HOST_SAVE_HIDDEN, 1, 1),
+        (Op.HOST_FREE_HIDDEN, 0, 0),
+    ]  # fmt: skip
+    with pytest.raises(ScheduleError, match=r"two_level_depths: row 3 .* out of stack order"):
+        memento.planning.two_level_depths(np.array(rows))
 
 
 # --------------------------------------------------------------------------- errors

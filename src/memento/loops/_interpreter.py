@@ -19,6 +19,16 @@ consts are accumulated once per step, as ``lax.scan``'s own transpose does.
 Slots live in preallocated typed pools, one per dtype (`_pool`), shared by hidden states
 and internal states (the stored residual leaves, plus the output carry when the schedule
 loads it) at offsets fixed by the state's place on the schedule's stack.
+
+Two-level plans (`memento.plan` with ``host_memory=``) keep a second set of pools for the
+host slots, a stack of its own (`memento.planning.two_level_depths`), placed in host
+memory where JAX has it (`_pool.host_space`). A host row runs as its device counterpart on
+those pools: a store copies the state out (a write into a host pool), a load copies it
+back inside the ``switch`` branch that takes it as the working state, a backward step
+from a host internal state copies it back inside its own branch. Each copy is issued by
+the row that needs it; XLA may overlap it with the compute of the same row, but nothing
+is prefetched a row ahead (the planner's ``overlap="step"`` model assumes a load is
+prefetched during the backward step before it).
 """
 
 from __future__ import annotations
@@ -37,7 +47,17 @@ from ._body import Body, ResidualSpec, split
 Index = int | jax.Array  # a position, static or traced
 
 # Indices of the primal branches of the inner switch.
-_PRIMAL_OPS = (Op.ADVANCE, Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_HIDDEN, Op.LOAD_INTERNAL)
+_PRIMAL_OPS = (
+    Op.ADVANCE,
+    Op.SAVE_HIDDEN,
+    Op.SAVE_INTERNAL,
+    Op.LOAD_HIDDEN,
+    Op.LOAD_INTERNAL,
+    Op.HOST_SAVE_HIDDEN,
+    Op.HOST_SAVE_INTERNAL,
+    Op.HOST_LOAD_HIDDEN,
+    Op.HOST_LOAD_INTERNAL,
+)
 _BRANCH = np.full(max(Op) + 1, -1, dtype=np.int32)
 for _i, _op in enumerate(_PRIMAL_OPS):
     _BRANCH[_op] = _i
@@ -63,10 +83,13 @@ class Program:
             count of an advance.
         segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
             ``[segment_end[k-1], segment_end[k])`` run before it.
-        backward_rows: ``(t, 3)``: ``(fused?, nh, ni)`` of the k-th backward.
+        backward_rows: ``(t, 4)``: ``(fused?, nh, ni, host?)`` of the k-th backward.
         tops: ``(k, 2)`` distinct ``(nh, ni)`` on the stack after a save; they size the
             pools.
         loads_internal: whether the internal slots must also hold the output carry.
+        host_save_hidden, host_save_internal: as ``save_hidden``/``save_internal``, for
+            the host slots of a two-level plan (all ``-1`` for one level).
+        host_tops: as ``tops``, for the host stack (no rows: no host slots).
     """
 
     num_steps: int
@@ -78,6 +101,14 @@ class Program:
     backward_rows: np.ndarray
     tops: np.ndarray
     loads_internal: bool
+    host_save_hidden: np.ndarray
+    host_save_internal: np.ndarray
+    host_tops: np.ndarray
+
+    @property
+    def has_host(self) -> bool:
+        """Whether the program uses host slots (a two-level plan)."""
+        return len(self.host_tops) > 0
 
     @property
     def any_fused(self) -> bool:
@@ -86,8 +117,14 @@ class Program:
 
     @property
     def any_internal(self) -> bool:
-        """Whether a backward after the first reads an internal slot."""
-        return bool((self.backward_rows[1:, 0] == 0).any())
+        """Whether a backward after the first reads a device internal slot."""
+        rest = self.backward_rows[1:]
+        return bool(((rest[:, 0] == 0) & (rest[:, 3] == 0)).any())
+
+    @property
+    def any_host_internal(self) -> bool:
+        """Whether a backward after the first reads a host internal slot."""
+        return bool((self.backward_rows[1:, 3] == 1).any())
 
     @property
     def sweep_saves_internal(self) -> bool:
@@ -96,6 +133,14 @@ class Program:
     @property
     def sweep_saves_hidden(self) -> bool:
         return bool((self.save_hidden[:, 0] >= 0).any())
+
+    @property
+    def sweep_host_saves_internal(self) -> bool:
+        return bool((self.host_save_internal[:, 0] >= 0).any())
+
+    @property
+    def sweep_host_saves_hidden(self) -> bool:
+        return bool((self.host_save_hidden[:, 0] >= 0).any())
 
 
 def compile_schedule(schedule: Schedule) -> Program:
@@ -109,17 +154,25 @@ def compile_schedule(schedule: Schedule) -> Program:
         schedule: a schedule whose slots are used as a stack (the planner's are).
     """
     t = schedule.num_steps
-    rows, tops = _pool.stack_rows(schedule)
+    rows, tops, host_tops = _pool.stack_rows(schedule)
     # One contiguous copy of each column: at 10^7 steps (5 * 10^7 rows) every pass over a
     # strided column costs a tenth of a second.
     op, a, b, pos = (np.ascontiguousarray(rows[:, k]) for k in range(4))
     is_bw = (op == Op.BACKWARD_FUSED) | (op == Op.BACKWARD_INTERNAL)
+    is_bw |= op == Op.HOST_BACKWARD_INTERNAL
     first_bw = int(np.argmax(is_bw))
 
     save_hidden = np.full((t, 2), -1, np.int32)
     save_internal = np.full((t, 2), -1, np.int32)
+    host_save_hidden = np.full((t, 2), -1, np.int32)
+    host_save_internal = np.full((t, 2), -1, np.int32)
     sweep_op = op[:first_bw]
-    for code, out in ((Op.SAVE_HIDDEN, save_hidden), (Op.SAVE_INTERNAL, save_internal)):
+    for code, out in (
+        (Op.SAVE_HIDDEN, save_hidden),
+        (Op.SAVE_INTERNAL, save_internal),
+        (Op.HOST_SAVE_HIDDEN, host_save_hidden),
+        (Op.HOST_SAVE_INTERNAL, host_save_internal),
+    ):
         saves = np.flatnonzero(sweep_op == code)
         out[pos[saves], 0] = a[saves]
         out[pos[saves], 1] = b[saves]
@@ -135,10 +188,11 @@ def compile_schedule(schedule: Schedule) -> Program:
     primal_rows[:, 1] = a[prim]
     primal_rows[:, 2] = b[prim]
     primal_rows[:, 3] = pos[prim]
-    backward_rows = np.empty((len(bw), 3), np.int32)
+    backward_rows = np.empty((len(bw), 4), np.int32)
     backward_rows[:, 0] = op[bw] == Op.BACKWARD_FUSED
     backward_rows[:, 1] = a[bw]
     backward_rows[:, 2] = b[bw]
+    backward_rows[:, 3] = op[bw] == Op.HOST_BACKWARD_INTERNAL
     return Program(
         num_steps=t,
         save_hidden=save_hidden,
@@ -148,7 +202,10 @@ def compile_schedule(schedule: Schedule) -> Program:
         segment_end=segment_end,
         backward_rows=backward_rows,
         tops=tops,
-        loads_internal=bool((op == Op.LOAD_INTERNAL).any()),
+        loads_internal=bool(((op == Op.LOAD_INTERNAL) | (op == Op.HOST_LOAD_INTERNAL)).any()),
+        host_save_hidden=host_save_hidden,
+        host_save_internal=host_save_internal,
+        host_tops=host_tops,
     )
 
 
@@ -158,12 +215,13 @@ def compile_schedule(schedule: Schedule) -> Program:
 
 @dataclasses.dataclass
 class Slots:
-    """The slot pools: one flat typed array per stored dtype (see `_pool`)."""
+    """The slot pools: typed arrays (see `_pool`); ``host``: the host level's."""
 
     pools: list
+    host: list = dataclasses.field(default_factory=list)
 
 
-jax.tree_util.register_dataclass(Slots, data_fields=["pools"], meta_fields=[])
+jax.tree_util.register_dataclass(Slots, data_fields=["pools", "host"], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,19 +237,31 @@ class _Layout:
     has_hidden: bool  # whether any hidden state is stored (else h_0 is the only one)
 
     @staticmethod
-    def of(prog: Program, body: Body, spec: ResidualSpec, tagged: bool | None = None) -> _Layout:
+    def of(
+        prog: Program,
+        body: Body,
+        spec: ResidualSpec,
+        tagged: bool | None = None,
+        *,
+        host: bool = False,
+    ) -> _Layout:
+        """The device level's layout, or with ``host`` the host level's."""
         extra = tuple(body.carry_avals) if prog.loads_internal else ()
         internal = tuple(spec.stored) + extra
         tagged = _pool.checks_enabled() if tagged is None else tagged
-        pools = _pool.Pools.of(body.carry_avals, internal, prog.tops, tagged=tagged)
-        return _Layout(pools, bool((prog.tops[:, 0] > 0).any()))
+        tops = prog.host_tops if host else prog.tops
+        pools = _pool.Pools.of(body.carry_avals, internal, tops, tagged=tagged, host=host)
+        return _Layout(pools, bool((tops[:, 0] > 0).any()))
 
     @property
     def tagged(self) -> bool:
         return self.pools.tagged
 
-    def allocate(self) -> Slots:
-        return Slots(self.pools.allocate())
+    def _get(self, slots: Slots) -> list:
+        return slots.host if self.pools.host else slots.pools
+
+    def _set(self, slots: Slots, pools: list) -> Slots:
+        return Slots(slots.pools, pools) if self.pools.host else Slots(pools, slots.host)
 
     def _tag(self, leaves, tag) -> list:
         return [*leaves, jnp.asarray(tag, jnp.int32)] if self.tagged else list(leaves)
@@ -211,7 +281,8 @@ class _Layout:
             _pool.check(
                 ok if when is None else jnp.logical_not(when) | ok, "a hidden save out of the pools"
             )
-        return Slots(self.pools.write(slots.pools, at[0], at[1], self._tag(c, 2 * pos), "h", when))
+        pools = self.pools.write(self._get(slots), at[0], at[1], self._tag(c, 2 * pos), "h", when)
+        return self._set(slots, pools)
 
     def load_hidden(self, slots: Slots, init, at, *, pos: Index = 0, active=True):
         """``h`` stored at ``at``, or ``init`` for ``nh = -1`` (the caller's ``h_0``);
@@ -219,7 +290,7 @@ class _Layout:
         if not self.has_hidden:
             return list(init)
         avals = self.pools.hidden_avals
-        stored = self.pools.read(slots.pools, at[0], at[1], "h", stored=True)
+        stored = self.pools.read(self._get(slots), at[0], at[1], "h", stored=True)
         stored = self._untag(
             stored, at, "h", 2 * pos, active & (at[0] >= 0), "a hidden state loaded is not h_pos"
         )
@@ -236,22 +307,32 @@ class _Layout:
                 ok if when is None else jnp.logical_not(when) | ok,
                 "an internal save out of the pools",
             )
-        return Slots(
-            self.pools.write(slots.pools, at[0], at[1], self._tag(leaves, 2 * pos + 1), "i", when)
-        )
+        tagged = self._tag(leaves, 2 * pos + 1)
+        return self._set(slots, self.pools.write(self._get(slots), at[0], at[1], tagged, "i", when))
 
     def load_internal(self, slots: Slots, at, *, step: Index = 0, active=True):
         """The internal state stored at ``at``; in debug mode checked to be step
         ``step``'s where ``active``."""
-        stored = self.pools.read(slots.pools, at[0], at[1], "i")
+        stored = self.pools.read(self._get(slots), at[0], at[1], "i")
         return self._untag(
             stored, at, "i", 2 * step + 1, active, "an internal state loaded is not the step's"
         )
 
 
-def pool_bytes(prog: Program, body: Body, spec: ResidualSpec) -> int:
-    """Bytes of the slot pools that running ``prog`` on ``body`` allocates."""
-    return _Layout.of(prog, body, spec, tagged=False).pools.nbytes  # tags are not the budget's
+def pool_bytes(prog: Program, body: Body, spec: ResidualSpec, *, host: bool = False) -> int:
+    """Bytes of the slot pools that running ``prog`` on ``body`` allocates (``host``: of
+    the host level's pools)."""
+    # tags are not the budget's
+    return _Layout.of(prog, body, spec, tagged=False, host=host).pools.nbytes
+
+
+def _layouts(prog: Program, body: Body, spec: ResidualSpec, place: bool):
+    """The device level's layout, the host level's (None for one level), and the slots
+    both allocate (the host's in host memory if ``place`` and there is one)."""
+    layout = _Layout.of(prog, body, spec)
+    host = _Layout.of(prog, body, spec, host=True) if prog.has_host else None
+    host_pools = host.pools.allocate(place=place) if host is not None else []
+    return layout, host, Slots(layout.pools.allocate(), host_pools)
 
 
 def x_at(xs, p):
@@ -293,15 +374,19 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         else ``None``.
     """
     t = prog.num_steps
-    layout = _Layout.of(prog, body, spec)
-    slots = layout.allocate()
+    place = not _pool.under_forward_mode(jax.tree_util.tree_leaves((consts, init, xs)))
+    layout, host, slots = _layouts(prog, body, spec, place)
     n_sweep = t - 1 if prog.fused_last else t
     has_internal = prog.sweep_saves_internal
+    has_host_internal = prog.sweep_host_saves_internal
 
-    def save_step(c, slots, x, si, p):
-        c_new, y, res = body.save(spec, consts, c, x)
-        extra = c_new if prog.loads_internal else []
-        return c_new, y, layout.save_internal(slots, si, res + extra, pos=p)
+    def saver(level):
+        def save_step(c, slots, x, si, p):
+            c_new, y, res = body.save(spec, consts, c, x)
+            extra = c_new if prog.loads_internal else []
+            return c_new, y, level.save_internal(slots, si, res + extra, pos=p)
+
+        return save_step
 
     def primal_step(c, slots, x, si, p):
         c_new, y = body(consts, c, x)
@@ -309,16 +394,23 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
 
     def step(state, inp):
         c, slots = state
-        p, sh_h, sh_i, si_h, si_i = inp
+        p, sh_h, sh_i, si_h, si_i, hh_h, hh_i, hi_h, hi_i = inp
         x = x_at(xs, p)
         if prog.sweep_saves_hidden:
             slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0, pos=p)
-        if has_internal:
+        if host is not None and prog.sweep_host_saves_hidden:
+            slots = host.save_hidden(slots, (hh_h, hh_i), c, hh_h >= 0, pos=p)
+        if has_internal and has_host_internal:
+            # A step stores on the device, on the host, or nothing: one branch each.
+            which = jnp.where(si_h >= 0, 1, jnp.where(hi_h >= 0, 2, 0))
+            branches = (primal_step, saver(layout), saver(host))
+            at = (jnp.where(si_h >= 0, si_h, hi_h), jnp.where(si_h >= 0, si_i, hi_i))
+            c_new, y, slots = lax.switch(which, branches, c, slots, x, at, p)
+        elif has_internal or has_host_internal:
             # Write-or-identity: the pool stays in place, and steps that store nothing
             # run the primal only.
-            c_new, y, slots = lax.cond(
-                si_h >= 0, save_step, primal_step, c, slots, x, (si_h, si_i), p
-            )
+            level, si = (layout, (si_h, si_i)) if has_internal else (host, (hi_h, hi_i))
+            c_new, y, slots = lax.cond(si[0] >= 0, saver(level), primal_step, c, slots, x, si, p)
         else:
             c_new, y, slots = primal_step(c, slots, x, None, p)
         return (c_new, slots), y
@@ -330,7 +422,12 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         jnp.arange(n_sweep, dtype=jnp.int32),
         *(
             jnp.asarray(a[:n_sweep, k])
-            for a in (prog.save_hidden, prog.save_internal)
+            for a in (
+                prog.save_hidden,
+                prog.save_internal,
+                prog.host_save_hidden,
+                prog.host_save_internal,
+            )
             for k in (0, 1)
         ),
     )
@@ -344,6 +441,9 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         if prog.save_hidden[t - 1, 0] >= 0:
             at = tuple(int(v) for v in prog.save_hidden[t - 1])
             slots = layout.save_hidden(slots, at, c, pos=t - 1)
+        if host is not None and prog.host_save_hidden[t - 1, 0] >= 0:
+            at = tuple(int(v) for v in prog.host_save_hidden[t - 1])
+            slots = host.save_hidden(slots, at, c, pos=t - 1)
         c, y_last, working = body.save(spec, consts, c, x_last)
         ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, slots, working
@@ -382,6 +482,7 @@ def run_backward(
     """
     t = prog.num_steps
     layout = _Layout.of(prog, body, spec)
+    host = _Layout.of(prog, body, spec, host=True) if prog.has_host else None
     kf, _ = split(consts, body.const_mask)
     n_stored = len(spec.stored)
     xs_f, _ = split(xs, body.x_mask)
@@ -399,27 +500,50 @@ def run_backward(
     rows_ops = set(prog.primal_rows[:, 0].tolist())
     SAVE_H, SAVE_I = _BRANCH[Op.SAVE_HIDDEN], _BRANCH[Op.SAVE_INTERNAL]
     LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
+    HSAVE_H, HSAVE_I = _BRANCH[Op.HOST_SAVE_HIDDEN], _BRANCH[Op.HOST_SAVE_INTERNAL]
+    HLOAD_H, HLOAD_I = _BRANCH[Op.HOST_LOAD_HIDDEN], _BRANCH[Op.HOST_LOAD_INTERNAL]
 
-    def advance(c, loaded_h, loaded_i, arg, pos):
+    def advance(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return advance_steps(body, consts, c, xs, pos, arg)
 
-    def keep(c, loaded_h, loaded_i, arg, pos):
+    def keep(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return c
 
-    def take_hidden(c, loaded_h, loaded_i, arg, pos):
+    def take_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return loaded_h
 
-    def take_internal(c, loaded_h, loaded_i, arg, pos):
+    def take_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return loaded_i
 
-    # switch index per primal branch: ADVANCE, SAVE_H, SAVE_I, LOAD_H, LOAD_I
-    switch_of = jnp.asarray([0, 1, 1, 2, 3], jnp.int32)
-    switch_branches = (advance, keep, take_hidden, take_internal)
+    # Host loads read the host pools inside their branch: the copy back runs only on the
+    # row that loads (a read in a branch leaves the pools in place).
+    def take_host_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
+        assert host is not None  # host rows come with host slots
+        return host.load_hidden(Slots([], hpools), init, (arg, b), pos=pos)
 
-    def save_internal(c, slots, at, pos):
-        c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
-        extra = c_new if prog.loads_internal else []
-        return c_new, layout.save_internal(slots, at, res + extra, pos=pos)
+    def take_host_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
+        assert host is not None  # host rows come with host slots
+        return host.load_internal(Slots([], hpools), (arg, b), step=pos - 1)[n_stored:]
+
+    # switch index per primal branch: ADVANCE, SAVE_H, SAVE_I, LOAD_H, LOAD_I, and the
+    # host's SAVE_H, SAVE_I, LOAD_H, LOAD_I
+    switch_of = jnp.asarray([0, 1, 1, 2, 3, 1, 1, 4, 5], jnp.int32)
+    switch_branches = (
+        advance,
+        keep,
+        take_hidden,
+        take_internal,
+        take_host_hidden if HLOAD_H in rows_ops else keep,  # every branch is traced
+        take_host_internal if HLOAD_I in rows_ops else keep,
+    )
+
+    def internal_saver(level):
+        def save_internal(c, slots, at, pos):
+            c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
+            extra = c_new if prog.loads_internal else []
+            return c_new, level.save_internal(slots, at, res + extra, pos=pos)
+
+        return save_internal
 
     # Debug mode (`_pool.checks_enabled`) also tracks ``cur``, the working state's
     # position: a row that runs from the working state must find it at its position.
@@ -440,10 +564,29 @@ def run_backward(
             at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
             if SAVE_I in rows_ops:
                 c, slots = lax.cond(
-                    branch == SAVE_I, save_internal, lambda c, s, *_: (c, s), c, slots, at, pos
+                    branch == SAVE_I,
+                    internal_saver(layout),
+                    lambda c, s, *_: (c, s),
+                    c,
+                    slots,
+                    at,
+                    pos,
+                )
+            if HSAVE_I in rows_ops:
+                c, slots = lax.cond(
+                    branch == HSAVE_I,
+                    internal_saver(host),
+                    lambda c, s, *_: (c, s),
+                    c,
+                    slots,
+                    at,
+                    pos,
                 )
             if SAVE_H in rows_ops:
                 slots = layout.save_hidden(slots, at, c, branch == SAVE_H, pos=pos)
+            if HSAVE_H in rows_ops:
+                assert host is not None
+                slots = host.save_hidden(slots, at, c, branch == HSAVE_H, pos=pos)
             loaded_h = loaded_i = c
             if LOAD_H in rows_ops:
                 loaded_h = layout.load_hidden(slots, init, at, pos=pos, active=branch == LOAD_H)
@@ -452,13 +595,15 @@ def run_backward(
                 loaded_i = layout.load_internal(slots, at, step=pos - 1, active=branch == LOAD_I)[
                     n_stored:
                 ]
-            c = lax.switch(switch_of[branch], switch_branches, c, loaded_h, loaded_i, arg, pos)
+            c = lax.switch(
+                switch_of[branch], switch_branches, c, loaded_h, loaded_i, slots.host, *at, pos
+            )
             if track:
                 loads = (branch == LOAD_H) | (branch == LOAD_I)
+                loads |= (branch == HLOAD_H) | (branch == HLOAD_I)
                 _pool.check(loads | (cur == pos), "a row's working state is not at its position")
-                cur = jnp.select(
-                    [branch == ADV, branch == SAVE_I, loads], [pos + arg, pos + 1, pos], cur
-                )
+                saves_i = (branch == SAVE_I) | (branch == HSAVE_I)
+                cur = jnp.select([branch == ADV, saves_i, loads], [pos + arg, pos + 1, pos], cur)
             return pc + 1, c, slots, cur
 
         _, c, slots, cur = lax.while_loop(cond, body_fn, (lo, c, slots, cur))
@@ -470,15 +615,20 @@ def run_backward(
     def fused_bw(c, slots, slot, p, ct_c, ct_y):
         return apply_pullback(body.linearize(consts, c, x_at(xs, p))[2], ct_c, ct_y)
 
-    def stored_bw(c, slots, slot, p, ct_c, ct_y):
-        stored = layout.load_internal(slots, slot, step=p)[:n_stored]  # slot: (nh, ni)
-        return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
+    def stored_from(level):
+        def stored_bw(c, slots, slot, p, ct_c, ct_y):
+            stored = level.load_internal(slots, slot, step=p)[:n_stored]  # slot: (nh, ni)
+            return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
 
-    def either_bw(fused):
-        # Both kinds in one schedule (MSM): choose at run time; the pullback's results
-        # are plain arrays, so the two branches agree in type.
+        return stored_bw
+
+    stored_bw = stored_from(layout)
+
+    def either_bw(kind, branches):
+        # Several kinds in one schedule (MSM, two levels): choose at run time; the
+        # pullback's results are plain arrays, so the branches agree in type.
         def bw(c, slots, slot, p, ct_c, ct_y):
-            return lax.cond(fused == 1, fused_bw, stored_bw, c, slots, slot, p, ct_c, ct_y)
+            return lax.switch(kind, branches, c, slots, slot, p, ct_c, ct_y)
 
         return bw
 
@@ -503,6 +653,8 @@ def run_backward(
 
         def first_bw(c, slots, slot, p, ct_c, ct_y):
             return apply_pullback(body.restore(spec, working, consts, x_at(xs, p)), ct_c, ct_y)
+    elif prog.backward_rows[0, 3]:
+        first_bw = stored_from(host)
     else:
         first_bw = stored_bw
     first_slot = (int(prog.backward_rows[0, 1]), int(prog.backward_rows[0, 2]))
@@ -522,10 +674,25 @@ def run_backward(
         p = t - 1 - k
         if track:
             _pool.check((fused == 0) | (cur == p), "a fused backward's state is not h_p")
-        if prog.any_fused and prog.any_internal:
-            bw = either_bw(fused)
+        # The kinds of backward this program has: fused (code 0), from a device internal
+        # state (1), from a host one (2); a switch over those present.
+        kinds = [
+            (code, fn)
+            for code, has, fn in (
+                (0, prog.any_fused, fused_bw),
+                (1, prog.any_internal, stored_bw),
+                (2, prog.any_host_internal, stored_from(host) if host is not None else None),
+            )
+            if has and fn is not None
+        ]
+        if len(kinds) > 1:
+            code = jnp.where(fused == 1, 0, jnp.where(backward_rows[k, 3] == 1, 2, 1))
+            branch_of = np.zeros(3, np.int32)
+            for i, (c_, _) in enumerate(kinds):
+                branch_of[c_] = i
+            bw = either_bw(jnp.asarray(branch_of)[code], [fn for _, fn in kinds])
         else:
-            bw = fused_bw if prog.any_fused else stored_bw
+            bw = kinds[0][1] if kinds else stored_bw
         ct_c, ct_k, ct_xs = backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs)
         return k + 1, c, slots, ct_c, ct_k, ct_xs, cur
 

@@ -40,6 +40,7 @@ replaced (same temporary memory).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -47,9 +48,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import custom_batching, lax
 
-from ..planning import Op, Schedule, stack_depths
+from ..planning import Op, Schedule, stack_depths, two_level_depths
 
 try:  # restores a weak type on read; no public equivalent
     from jax._src.lax.lax import _convert_element_type
@@ -58,6 +59,9 @@ except ImportError:  # pragma: no cover - older or newer JAX
 
 _SLOTTED = np.zeros(max(Op) + 1, bool)  # ops whose arg names a slot
 _SLOTTED[[Op.SAVE_HIDDEN, Op.SAVE_INTERNAL, Op.LOAD_INTERNAL, Op.BACKWARD_INTERNAL]] = True
+_SLOTTED[Op.HOST_SAVE_HIDDEN : Op.HOST_BACKWARD_INTERNAL + 1] = True  # host slots
+_FREE = np.zeros(max(Op) + 1, bool)
+_FREE[[Op.FREE_HIDDEN, Op.FREE_INTERNAL, Op.HOST_FREE_HIDDEN, Op.HOST_FREE_INTERNAL]] = True
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -72,19 +76,21 @@ def checked_int32(values, what: str, *, name: str = "memento") -> np.ndarray:
     return values.astype(np.int32)
 
 
-def stack_rows(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """A schedule's executable rows with each state's place on the stack, for the pools.
+def stack_rows(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A schedule's executable rows with each state's place on its stack, for the pools.
 
     Args:
-        schedule: a schedule whose slots are released in the reverse order of their saves.
+        schedule: a schedule whose slots are released in the reverse order of their saves
+            (on each level, for a two-level plan: each level is a stack of its own).
 
     Returns:
-        ``(rows, tops)``. ``rows``: int32 ``(n, 4)`` rows ``(op, a, b, pos)`` without the
-        FREE rows. For a row that saves, loads or back-propagates from a slot, ``(a, b)``
-        is ``(nh, ni)``, the hidden and internal states below its state; for a load of
-        ``h_0``, ``(-1, 0)``; otherwise ``(arg, 0)`` (an ADVANCE's count). ``tops``: the
-        distinct ``(nh, ni)`` on the stack after each save (int64), whose maximum per pool
-        sizes it.
+        ``(rows, tops, host_tops)``. ``rows``: int32 ``(n, 4)`` rows ``(op, a, b, pos)``
+        without the FREE rows. For a row that saves, loads or back-propagates from a slot,
+        ``(a, b)`` is ``(nh, ni)``, the hidden and internal states below its state on its
+        level (a host row's op says it is on the host); for a load of ``h_0``,
+        ``(-1, 0)``; otherwise ``(arg, 0)`` (an ADVANCE's count). ``tops``,
+        ``host_tops``: the distinct ``(nh, ni)`` on the device / host stack after each
+        save there (int64), whose maximum per pool sizes it.
 
     Raises:
         ValueError: if the schedule does not release its slots in stack order, or a
@@ -92,12 +98,15 @@ def stack_rows(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """
     actions = schedule.actions
     try:
-        nh, ni = stack_depths(actions)
+        if len(actions) and int(actions[:, 0].max()) >= Op.HOST_SAVE_HIDDEN:
+            _, nh, ni = two_level_depths(actions)
+        else:
+            nh, ni = stack_depths(actions)
     except ValueError as e:
         raise ValueError(
             f"memento: {e}; a pool needs stack-ordered slots (the planner's are)."
         ) from None
-    keep = (actions[:, 0] != Op.FREE_HIDDEN) & (actions[:, 0] != Op.FREE_INTERNAL)
+    keep = ~_FREE[actions[:, 0]]
     op, arg, pos = (np.ascontiguousarray(actions[keep, k]) for k in range(3))
     slotted = _SLOTTED[op] | ((op == Op.LOAD_HIDDEN) & (arg >= 0))
     rows = np.empty((len(op), 4), np.int64)
@@ -105,15 +114,22 @@ def stack_rows(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     rows[:, 1] = np.where(slotted, nh, arg)
     rows[:, 2] = np.where(slotted, ni, 0)
     rows[:, 3] = pos
-    is_h, is_i = op == Op.SAVE_HIDDEN, op == Op.SAVE_INTERNAL
-    tops = np.concatenate(
-        [
-            np.stack([nh[is_h] + 1, ni[is_h]], axis=1),
-            np.stack([nh[is_i], ni[is_i] + 1], axis=1),
-        ]
+
+    def tops(save_h, save_i):
+        is_h, is_i = op == save_h, op == save_i
+        out = np.concatenate(
+            [
+                np.stack([nh[is_h] + 1, ni[is_h]], axis=1),
+                np.stack([nh[is_i], ni[is_i] + 1], axis=1),
+            ]
+        )
+        return np.unique(out, axis=0) if len(out) else np.zeros((0, 2), np.int64)
+
+    return (
+        checked_int32(rows, "a schedule row"),
+        tops(Op.SAVE_HIDDEN, Op.SAVE_INTERNAL),
+        tops(Op.HOST_SAVE_HIDDEN, Op.HOST_SAVE_INTERNAL),
     )
-    tops = np.unique(tops, axis=0) if len(tops) else np.zeros((0, 2), np.int64)
-    return checked_int32(rows, "a schedule row"), tops
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,6 +237,53 @@ def check(ok, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# Host memory: where a two-level plan's host slots live
+
+
+def host_space():
+    """``jax.memory.Space.Host`` when JAX and the default backend have a ``pinned_host``
+    memory kind (GPUs, TPUs, and the CPU, where it is the same RAM), else None:
+    then host slots stay in device memory, running the same schedule with the same
+    numbers."""
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is None:  # pragma: no cover - older JAX
+        return None
+    try:
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    except Exception:  # pragma: no cover - a backend without memories
+        return None
+    return space.Host if "pinned_host" in kinds else None
+
+
+def _to(x, space):
+    return x if space is None else jax.device_put(x, space)
+
+
+def on_host(x) -> bool:
+    """Whether the array ``x`` (or its abstract value) lies in host memory."""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    host = host_space()
+    return host is not None and space == host
+
+
+try:  # the tracers of forward-mode differentiation
+    from jax._src.interpreters.ad import JVPTracer as _JVP, LinearizeTracer as _LIN
+
+    _FORWARD_TRACERS: tuple = (_JVP, _LIN)
+except ImportError:  # pragma: no cover - older or newer JAX
+    _FORWARD_TRACERS = ()
+
+
+def under_forward_mode(leaves) -> bool:
+    """Whether any of ``leaves`` carries a tangent (an outer ``jvp``: ``jax.hessian``).
+
+    Host slots then stay on the device: JAX 0.10.2 builds the zero tangent of a host
+    array on the device, so a loop that carries a host pool under ``jvp`` fails to type
+    (its tangent enters in device memory and leaves in host memory)."""
+    return any(isinstance(x, _FORWARD_TRACERS) for x in leaves)
+
+
+# ----------------------------------------------------------------------------------------
 # The pools
 
 
@@ -238,6 +301,54 @@ def put(pool, index, value):
 def get(pool, index):
     """``pool[index]`` (one entry; ``index`` is in bounds by construction)."""
     return lax.dynamic_index_in_dim(pool, index, 0, keepdims=False)
+
+
+# Host pools are read and written with the entry's index as a scalar operand of a dynamic
+# slice. Under vmap JAX turns a dynamic slice of a batched operand into a gather whose
+# index array it builds in device memory, which JAX refuses to mix with a host operand;
+# these rules keep a slice along the slot axis, past the batch axes.
+
+
+@functools.cache
+def _host_get(axis: int):
+    @custom_batching.custom_vmap
+    def host_get(pool, index):
+        entry = lax.dynamic_index_in_dim(pool, index, axis, keepdims=False)
+        return jax.device_put(entry, jax.memory.Space.Device)  # the copy back
+
+    @host_get.def_vmap
+    def _(axis_size, in_batched, pool, index):
+        if in_batched[1]:  # pragma: no cover - schedules are shared by the batch
+            raise NotImplementedError("memento: a batched slot index")
+        pool = pool if in_batched[0] else _broadcast(pool, axis_size)
+        return _host_get(axis + 1)(pool, index), True
+
+    return host_get
+
+
+@functools.cache
+def _host_put(axis: int):
+    @custom_batching.custom_vmap
+    def host_put(pool, index, value):
+        value = jax.device_put(value.astype(pool.dtype), jax.memory.Space.Host)  # copy out
+        return lax.dynamic_update_index_in_dim(pool, value, index, axis)
+
+    @host_put.def_vmap
+    def _(axis_size, in_batched, pool, index, value):
+        if in_batched[1]:  # pragma: no cover - schedules are shared by the batch
+            raise NotImplementedError("memento: a batched slot index")
+        pool = pool if in_batched[0] else _broadcast(pool, axis_size)
+        value = value if in_batched[2] else jnp.broadcast_to(value, (axis_size, *value.shape))
+        return _host_put(axis + 1)(pool, index, value), True
+
+    return host_put
+
+
+def _broadcast(pool, n: int):
+    """``pool`` with a leading batch axis of ``n``, built on the device (one copy each
+    way; only where an unbatched pool meets a batched state, before the loop)."""
+    pool = jax.device_put(pool, jax.memory.Space.Device)
+    return jax.device_put(jnp.broadcast_to(pool, (n, *pool.shape)), jax.memory.Space.Host)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -267,6 +378,7 @@ class Pools:
     internal_size: tuple[int, ...]
     sizes: tuple[int, ...]
     tagged: bool = False
+    host: bool = False  # the host level's pools: kept in host memory where it exists
 
     @staticmethod
     def of(
@@ -275,6 +387,7 @@ class Pools:
         tops: np.ndarray,
         *,
         tagged: bool = False,
+        host: bool = False,
         name: str = "memento",
     ) -> Pools:
         """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
@@ -299,7 +412,9 @@ class Pools:
             for h, i in zip(hs, is_)
         )
         checked_int32(sizes, "a slot pool's number of entries", name=name)
-        return Pools(tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, tagged)
+        return Pools(
+            tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, tagged, host
+        )
 
     @property
     def nbytes(self) -> int:
@@ -308,9 +423,12 @@ class Pools:
             n * math.prod(e) * d.itemsize for (d, e, _, _), n in zip(self.groups, self.sizes)
         )
 
-    def allocate(self) -> list:
+    def allocate(self, *, place: bool = True) -> list:
+        """Zeroed pools: the host level's in host memory where there is one and ``place``
+        (else on the device, like the device level's)."""
+        space = host_space() if self.host and place else None
         return [
-            zeros((n, *e), d, axes, _stacked(sharding))
+            _to(zeros((n, *e), d, axes, _stacked(sharding)), space)
             for (d, e, sharding, axes), n in zip(self.groups, self.sizes)
         ]
 
@@ -334,6 +452,18 @@ class Pools:
     def write(self, pools: Sequence, nh, ni, leaves: Sequence, kind: str, when=None) -> list:
         """Stores one state's ``leaves`` below which lie ``nh`` hidden and ``ni`` internal
         states (only where ``when``, a scalar, holds). Each leaf is written in place."""
+        # Values go where the pools are (host pools are on the device when JAX has no
+        # host memory, or under forward mode: `under_forward_mode`).
+        host = any(on_host(p) for p in pools)
+        if host and when is not None:
+            # A masked write would read the host entry back to the device: copy only
+            # where the row stores (a write-or-identity conditional keeps pools in place).
+            return lax.cond(
+                when,
+                lambda p: self.write(p, nh, ni, leaves, kind),
+                lambda p: list(p),
+                list(pools),
+            )
         pools, starts = list(pools), self._starts(nh, ni)
         for leaf, aval in zip(leaves, self._avals(kind)):
             g = _group(aval)
@@ -343,7 +473,8 @@ class Pools:
             w = to_storage(leaf, aval).astype(g[0])
             if when is not None:
                 w = pick(when, w, get(pools[j], starts[j]))
-            pools[j] = put(pools[j], starts[j], w)
+            # The copy to the host: an annotated placement XLA turns into a transfer.
+            pools[j] = _host_put(0)(pools[j], starts[j], w) if host else put(pools[j], starts[j], w)
             starts[j] = starts[j] + 1
         return pools
 
@@ -359,7 +490,11 @@ class Pools:
                 x = zeros(s.shape, s.dtype, varying(aval), explicit_sharding(aval))
             else:
                 j = self.groups.index(g)
-                x = get(pools[j], starts[j])
+                x = (
+                    _host_get(0)(pools[j], starts[j])
+                    if on_host(pools[j])
+                    else get(pools[j], starts[j])
+                )
                 starts[j] = starts[j] + 1
             out.append(x if stored else from_storage(x, aval))
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -10,7 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Policy, Schedule, check_policy
+from ..planning import Policy, Schedule, check_policy, plan
+from ..planning._budget import _as_int
+from ..planning._host import check_host
 from . import _recursion
 from ._body import (
     Body,
@@ -49,6 +52,8 @@ def scan(
     memory: int | str | Bytes | None = None,
     policy: Policy = "auto",
     executor: Executor = "auto",
+    host_memory: int | float | str | Bytes | None = None,
+    transfer_cost: float | tuple[float, float] | None = None,
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` whose reverse-mode gradient fits a memory budget, optimally.
 
@@ -83,7 +88,32 @@ def scan(
             recursion computed on the device, with no rows (O(slots) to plan at any
             length; ``policy`` must be ``"hsm"`` or ``"auto"``, which then plans HSM).
             ``"auto"``: the recursion for HSM plans from `recursion_min_steps` steps on,
-            the rows otherwise.
+            the rows otherwise (always the rows with ``host_memory``).
+        host_memory: a second level of slots in host memory, beside ``memory`` on the
+            device: carry-sized slots (an ``int``), bytes (``"16GiB"``,
+            `memento.bytes_budget`) or ``math.inf`` (unbounded). The schedule is then
+            `memento.plan`'s two-level plan (HSM, or MSM when a step's residuals take
+            two slots or more; ``policy`` ``"hsm"``, ``"msm"`` or ``"auto"``): it keeps
+            states on the device, copies them to the host, or recomputes them, whichever
+            costs least under its model (forward evaluations plus the part of each
+            copy that one step of compute does not hide). ``memory`` still bounds the
+            device's slots. ``None`` or 0: one level. Runs on the rows executor.
+        transfer_cost: required with ``host_memory``: the time to copy one carry-sized
+            slot to the host and back, in units of one forward step (a number, or
+            ``(write, read)``), e.g. carry bytes / link bandwidth / step time.
+
+    Host placement: host slots are placed in host memory (``jax.memory.Space.Host``,
+    memory kind ``pinned_host``) where JAX has ``jax.memory.Space`` and the default
+    backend a ``pinned_host`` memory: GPUs, TPUs and the CPU (the same RAM there); tested
+    with JAX 0.10.2 on CPU, and lowered for ``cuda``. Elsewhere (older JAX, backends
+    without it) the same schedule runs with every slot on the device, with identical
+    numbers. Under an outer ``jvp`` (``jax.hessian``) host slots stay on the device: JAX
+    0.10.2 builds the zero tangent of a host array in device memory. Each copy is issued by the row that needs
+    it, not prefetched a row ahead: where a copy is slower than a step, the model's
+    ``max(compute, transfer)`` is a lower bound on the time. The gradient with host slots
+    is checked on CPU only (the GPU runs are pending); openxla/xla#46231 gave wrong
+    gradients with offloaded scan residuals on GPU before July 2026: check yours against
+    ``lax.scan`` on a small case (``benchmarks/offload.py`` does).
 
     Returns:
         ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included (a
@@ -92,7 +122,9 @@ def scan(
     Raises:
         ValueError: a budget too small for one step (the message names the minimum), an
             unknown policy, inconsistent lengths; ``policy="ism"`` with a budget below one
-            internal state (when the gradient is traced).
+            internal state (when the gradient is traced); ``host_memory`` negative,
+            without ``transfer_cost``, with ``executor="recursion"`` or
+            ``policy="ism"``, or ``transfer_cost`` without ``host_memory``.
         TypeError: a body that changes the carry's structure, shapes or dtypes (the
             message names each leaf); a bad ``memory``; forward mode (see below).
         NotImplementedError: reverse over reverse (see below).
@@ -113,6 +145,7 @@ def scan(
     """
     policy = check_policy(_NAME, policy)
     executor = check_executor(_NAME, executor, policy)
+    host = check_host_memory(_NAME, host_memory, transfer_cost, memory, policy, executor)
     if memory is None:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
     budget = parse_memory(memory, name=_NAME)
@@ -128,7 +161,12 @@ def scan(
     body, init_leaves, readonly, fixed = _trace(f, init, xs, x_leaves, name=_NAME)
     slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(
-        _plan, num_steps=num_steps, slots=slots, policy=policy, executor=executor
+        _plan,
+        num_steps=num_steps,
+        slots=slots,
+        policy=policy,
+        executor=executor,
+        host=_host_slots(host, nbytes(body.carry_avals)),
     )
 
     run = _differentiable_run(body, plan, num_steps, unroll)
@@ -158,6 +196,8 @@ def scan_schedule(
     reverse: bool = False,
     wrt: Sequence[Literal["closure", "init", "xs"]] = _WRT,
     executor: Executor = "auto",
+    host_memory: int | float | str | Bytes | None = None,
+    transfer_cost: float | tuple[float, float] | None = None,
 ) -> Schedule:
     """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``.
 
@@ -168,7 +208,8 @@ def scan_schedule(
 
     Args:
         f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
-        memory, policy, length, reverse, executor: as `memento.scan` (keyword-only here);
+        memory, policy, length, reverse, executor, host_memory, transfer_cost: as
+            `memento.scan` (keyword-only here);
             ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
         wrt: what the gradient is taken with respect to, since alpha is measured from
             the residuals of what is differentiated: any of ``"closure"`` (every float
@@ -190,6 +231,7 @@ def scan_schedule(
     name = "memento.loops.scan_schedule"
     policy = check_policy(name, policy)
     executor = check_executor(name, executor, policy)
+    host = check_host_memory(name, host_memory, transfer_cost, memory, policy, executor)
     if isinstance(wrt, str) or not set(wrt) <= set(_WRT):
         raise ValueError(
             f"{name}: wrt must be a collection of 'closure', 'init' and 'xs', got {wrt!r}."
@@ -219,6 +261,7 @@ def scan_schedule(
         executor=executor,
         name=name,
         rows=True,
+        host=_host_slots(host, nbytes(body.carry_avals)),
     )
     assert schedule is not None  # rows=True always plans one
     return schedule
@@ -330,6 +373,70 @@ def check_executor(name: str, executor, policy: Policy) -> Executor:
     return executor
 
 
+HostBudget = tuple[int | float | Bytes, tuple[float, float]] | None
+
+
+def check_host_memory(
+    name: str, host_memory, transfer_cost, memory, policy: Policy, executor: Executor
+) -> HostBudget:
+    """``host_memory=`` and ``transfer_cost=`` validated at the boundary: ``None`` for one
+    level, else ``(host, (write, read))`` with ``host`` slots, `Bytes` or ``math.inf``."""
+    if isinstance(host_memory, str | Bytes):
+        host: int | float | Bytes = parse_memory(host_memory, name=name)
+        probe = 1  # validates transfer_cost below
+    else:
+        if isinstance(host_memory, float) and host_memory == math.inf:
+            probe = host = math.inf
+        elif host_memory is None:
+            probe = host = None  # pyright: ignore[reportAssignmentType]
+        else:
+            n = _as_int(host_memory)
+            if n is None:
+                raise TypeError(
+                    f"{name}: host_memory must be None, an int number of carry-sized host "
+                    "slots, a size string such as '16GiB', memento.bytes_budget(n) or "
+                    f"math.inf; got {host_memory!r}."
+                )
+            if n < 0:
+                raise ValueError(
+                    f"{name}: host_memory={n} slots is negative; pass 0 or None for no "
+                    "host level, or a number of host slots (math.inf: unbounded)."
+                )
+            probe = host = n
+    _, pair, _ = check_host(name, "hsm", probe, transfer_cost, "step")
+    if not host:
+        return None
+    if memory is None:
+        raise ValueError(
+            f"{name}: host_memory={host_memory!r} needs a device budget too: memory=None is "
+            "lax.scan, which keeps everything on the device; pass memory= (slots or bytes)."
+        )
+    if executor == "recursion":
+        raise ValueError(
+            f"{name}: host_memory={host_memory!r} runs on the rows executor; the recursion "
+            "(executor='recursion') keeps every slot on the device. Use executor='rows' or "
+            "'auto'."
+        )
+    if policy == "ism":
+        raise ValueError(
+            f"{name}: host_memory={host_memory!r} plans HSM or MSM on two levels; "
+            "policy='ism' has no two-level plan. Use policy='msm', 'hsm' or 'auto'."
+        )
+    return host, pair
+
+
+def _host_slots(host: HostBudget, carry_bytes: int):
+    """``(slots or math.inf, (write, read))`` of a validated host budget, or None."""
+    if host is None:
+        return None
+    budget, pair = host
+    if isinstance(budget, Bytes):
+        budget = budget.num_bytes // max(carry_bytes, 1)
+        if budget < 1:
+            return None  # less than one carry on the host: one level
+    return budget, pair
+
+
 def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
     """The most slots a plan of ``num_steps`` steps can use: every internal state
     (``num_steps * alpha``, ``lax.scan``'s memory), or every carry under HSM. A larger
@@ -346,6 +453,7 @@ def _plan(
     executor: Executor = "auto",
     name: str = _NAME,
     rows: bool = False,
+    host: tuple[int | float, tuple[float, float]] | None = None,
 ):
     """The residuals, schedule, program and budget for a body differentiated as ``body``
     says.
@@ -360,6 +468,9 @@ def _plan(
     dtypes or shapes, see `_pool.Pools`), the schedule is planned again for fewer slots
     until they fit.
 
+    With ``host`` (``(host slots, (write, read))``), the two-level plan on the rows; its
+    host pools are refitted to the host budget the same way.
+
     Returns:
         ``(spec, schedule, program, slots)``: ``program`` is None for the recursion,
         ``slots`` the capped budget it runs in.
@@ -368,6 +479,10 @@ def _plan(
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
     slots = min(slots, useful_slots(num_steps, alpha, "auto"))
+    if host is not None:
+        return _plan_two_level(
+            body, spec, num_steps, slots, alpha, policy, host, carry_bytes, name=name
+        )
     chosen = (
         "hsm"
         if executor == "recursion"
@@ -390,6 +505,48 @@ def _plan(
         if used <= allowed or m == 1:
             return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
+
+
+@functools.lru_cache(maxsize=64)
+def _two_level_schedule(
+    num_steps: int, m: int, h: int | float, alpha: int, policy: str, pair: tuple[float, float]
+) -> Schedule:
+    """`memento.plan`'s two-level plan (cached): MSM when an internal state takes two
+    slots or more (``"auto"``), else HSM."""
+    if policy == "auto":
+        policy = "msm" if alpha >= 2 else "hsm"
+    return plan(
+        num_steps,
+        m,
+        policy=policy,  # pyright: ignore[reportArgumentType]
+        alpha=None if policy == "hsm" else alpha,
+        host_memory=h,
+        transfer_cost=pair,
+    )
+
+
+def _plan_two_level(body, spec, num_steps, slots, alpha, policy, host, carry_bytes, *, name):
+    """`_plan` with a host level: the two-level schedule whose pools fit both budgets."""
+    h, pair = host
+    if h != math.inf:
+        h = min(int(h), useful_slots(num_steps, alpha, "auto"))  # no more than can be used
+    m = slots
+    while True:
+        try:
+            schedule = _two_level_schedule(num_steps, m, h, alpha, policy, pair)
+        except ValueError as e:
+            raise ValueError(str(e).replace("memento.plan", name)) from None
+        prog = _compile(schedule)
+        used = pool_bytes(prog, body, spec)
+        allowed = (slots - int(schedule.counts_initial)) * carry_bytes
+        host_used = pool_bytes(prog, body, spec, host=True)
+        host_ok = h == math.inf or host_used <= h * carry_bytes
+        if (used <= allowed or m == 1) and (host_ok or h == 0):
+            return spec, schedule, prog, m
+        if used > allowed:
+            m = max(1, min(m - 1, m * allowed // max(used, 1)))
+        else:
+            h = max(0, min(h - 1, h * (h * carry_bytes) // max(host_used, 1)))
 
 
 def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):

@@ -68,6 +68,8 @@ def while_loop(
     memory: int | str | Bytes | None = None,
     buffers: Callable[[Any], Any] | None = None,
     return_truncated: bool = False,
+    host_memory: int | float | str | Bytes | None = None,
+    transfer_cost: float | tuple[float, float] | None = None,
 ) -> Any:
     """``jax.lax.while_loop`` that is reverse-mode differentiable within a memory budget.
 
@@ -110,6 +112,10 @@ def while_loop(
             because it took ``max_steps`` steps while ``cond_fun`` still held, so the
             result is not the loop's fixed point or end. Always False without
             ``max_steps``.
+        host_memory, transfer_cost: not supported yet (`memento.scan` has them): a
+            ``NotImplementedError`` unless ``None``. The loop places its checkpoints
+            online, on the device, with the HSM recursion; a two-level online policy
+            is not designed yet.
 
     Returns:
         The final carry, as ``lax.while_loop``; ``(final, truncated)`` with
@@ -122,7 +128,8 @@ def while_loop(
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
             returns something else in its place; forward mode.
-        NotImplementedError: reverse over reverse (see below); inside ``shard_map(check_vma=True)``, a predicate that
+        NotImplementedError: ``host_memory`` or ``transfer_cost`` given; reverse over
+            reverse (see below); inside ``shard_map(check_vma=True)``, a predicate that
             varies over mesh axes (each device may stop at its own step) with a body
             that casts a differentiated, unvaried value to varying (a carried float the
             body mixes with varying values): the cast's transpose, a ``psum``, would run
@@ -158,6 +165,13 @@ def while_loop(
         ...     return memento.while_loop(lambda s: s[1] > 1e-6, step, (x, 1.0),
         ...                               max_steps=10_000, memory=16)
     """
+    if host_memory is not None or transfer_cost is not None:
+        raise NotImplementedError(
+            f"{_NAME}: host_memory= (got {host_memory!r}) and transfer_cost= (got "
+            f"{transfer_cost!r}) are not supported yet: the while loop keeps its online "
+            "checkpoints on the device. Use memory= alone, or memento.scan(..., "
+            "host_memory=) with a known number of steps."
+        )
     steps = _check_max_steps(max_steps)
     if memory is None and steps is None:
         raise ValueError(

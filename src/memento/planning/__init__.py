@@ -85,5 +85,6 @@ from ._schedule import (
     simulate as simulate,
     stack_depths as stack_depths,
     step_evaluations as step_evaluations,
+    two_level_depths as two_level_depths,
     walk as walk,
 )

@@ -497,8 +497,7 @@ def plan(
         current subproblem's base lies; the recursion is in
         ``memento/planning/_host.py``), in O(t^2 memory host_memory) time, so it is meant
         for thousands of steps (``math.inf`` host memory is the fastest). The schedule has
-        host rows (``Op.HOST_*``); no executor runs them yet (``memento.scan`` has no
-        ``host_memory=``): `memento.planning.stack_depths` refuses them.
+        host rows (``Op.HOST_*``), which ``memento.scan(..., host_memory=)`` runs.
 
     Returns:
         A `Schedule` whose ``cost`` is the paper's C(t, m) (an exact int) and whose replay

@@ -44,8 +44,9 @@ HOST_FREE_HIDDEN,      release a host slot.
 HOST_FREE_INTERNAL
 ====================== ===========================================================
 
-`walk` (hence `simulate`) checks these rows like the device's; no executor runs them
-yet: `stack_depths`, which the compiled executors lay out their slots from, refuses them.
+`walk` (hence `simulate`) checks these rows like the device's. Each level's slots are a
+stack of their own: `two_level_depths` places them (`stack_depths`, for one-level
+schedules, refuses host rows); `memento.scan(..., host_memory=)` runs them.
 
 Every forward evaluation of the body is one of: a step of ADVANCE, a SAVE_INTERNAL (or
 HOST_SAVE_INTERNAL), or a BACKWARD_FUSED. Their total is the schedule's cost, the paper's
@@ -87,6 +88,7 @@ __all__ = [
     "first_backward",
     "stack_depths",
     "step_evaluations",
+    "two_level_depths",
     "walk",
 ]
 
@@ -821,7 +823,7 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         ScheduleError: a release out of stack order, or a slot used before it was saved.
-        NotImplementedError: host-memory rows (a two-level plan): no executor runs them yet.
+        NotImplementedError: host-memory rows (a two-level plan): use `two_level_depths`.
     """
     actions = np.asarray(actions).reshape(-1, 3)
     if len(actions) and int(actions[:, 0].max()) >= _FIRST_HOST_OP:
@@ -829,8 +831,8 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError(
             f"memento.planning.stack_depths: row {row} "
             f"{tuple(int(v) for v in actions[row])} is a host-memory row "
-            f"({Op(int(actions[row, 0])).name}); no executor runs two-level schedules yet "
-            "(memento.scan(host_memory=) is pending): plan with host_memory=None to run it"
+            f"({Op(int(actions[row, 0])).name}); a two-level schedule keeps a stack per "
+            "level: use memento.planning.two_level_depths"
         )
     nh, ni, bad = _depths(actions)
     if bad >= 0:
@@ -841,6 +843,70 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         )
     keep = ~_IS_FREE[actions[:, 0]]
     return nh[keep], ni[keep]
+
+
+# A host row's device counterpart: a host level's slots are a stack of their own.
+_AS_DEVICE = np.arange(max(Op) + 1)
+_AS_DEVICE[[_HOST_SAVE_H, _HOST_SAVE_I, _HOST_LOAD_H, _HOST_LOAD_I, _HOST_BACK_I]] = [
+    _SAVE_H,
+    _SAVE_I,
+    _LOAD_H,
+    _LOAD_I,
+    _BACK_I,
+]
+_AS_DEVICE[[_HOST_FREE_H, _HOST_FREE_I]] = [_FREE_H, _FREE_I]
+_DEVICE_SLOT_OPS = _lut(
+    Op.SAVE_HIDDEN,
+    Op.SAVE_INTERNAL,
+    Op.LOAD_HIDDEN,
+    Op.LOAD_INTERNAL,
+    Op.BACKWARD_INTERNAL,
+    Op.FREE_HIDDEN,
+    Op.FREE_INTERNAL,
+)
+
+
+def two_level_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`stack_depths` for two-level schedules: each level's slots are a stack of their own.
+
+    The two-level planner's schedules release the slots of each level in the reverse order
+    of their saves (a subproblem frees what it stored before its parent does), so an
+    executor keeps device states and host states in two stacks, each placed by the hidden
+    and internal states below it on its own level.
+
+    Args:
+        actions: a schedule's ``(n, 3)`` rows, FREE rows included; host rows allowed.
+
+    Returns:
+        ``(on_host, n_hidden_below, n_internal_below)`` aligned with the rows without FREE
+        rows: ``on_host`` is True for host rows, whose counts are those of the host stack;
+        the other rows' counts are those of `stack_depths` on the device stack.
+
+    Raises:
+        ScheduleError: a release out of stack order on either level, or a slot used
+            before it was saved.
+    """
+    actions = np.asarray(actions).reshape(-1, 3)
+    op = actions[:, 0]
+    host = op >= _FIRST_HOST_OP
+    # Each level seen alone: the other level's slot rows become empty advances.
+    device_view = actions.copy()
+    device_view[host] = (_ADV, 0, 0)
+    host_view = actions.copy()
+    host_view[:, 0] = _AS_DEVICE[op]
+    host_view[~host & _DEVICE_SLOT_OPS[op]] = (_ADV, 0, 0)
+    nh_d, ni_d, bad_d = _depths(device_view)
+    nh_h, ni_h, bad_h = _depths(host_view)
+    bad = min(b for b in (bad_d, bad_h, len(actions)) if b >= 0)
+    if bad < len(actions):
+        raise ScheduleError(
+            f"memento.planning.two_level_depths: row {bad} "
+            f"{tuple(int(v) for v in actions[bad])} releases a slot out of stack order on "
+            "its level or uses a slot never saved; each level's slots must be used as a "
+            "stack (the planner's are)"
+        )
+    keep = ~_IS_ANY_FREE[op]
+    return host[keep], np.where(host, nh_h, nh_d)[keep], np.where(host, ni_h, ni_d)[keep]
 
 
 def count_peak(actions: np.ndarray, alpha: int, beta: int, counts_initial: bool) -> int:
