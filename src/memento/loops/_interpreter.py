@@ -254,7 +254,11 @@ def pool_bytes(prog: Program, body: Body, spec: ResidualSpec) -> int:
     return _Layout.of(prog, body, spec, tagged=False).pools.nbytes  # tags are not the budget's
 
 
-def x_at(xs, p):
+def x_at(xs, p) -> list:
+    """Step p's slice of ``xs``; ``xs`` may be a function of p (`memento.while_loop`'s
+    ``active`` input)."""
+    if callable(xs):
+        return xs(p)  # pyright: ignore[reportReturnType]
     return [
         lax.dynamic_index_in_dim(x, p, 0, keepdims=False, allow_negative_indices=False) for x in xs
     ]
