@@ -49,7 +49,7 @@ from ._body import (
     varying_in_step,
 )
 from ._budget import Bytes, parse_memory, to_slots
-from ._pool import varying
+from ._pool import _convert_element_type, varying
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
@@ -621,9 +621,16 @@ def _member_active(x):
 
 
 def _select(active, new, old):
-    """``new`` where ``active``, else ``old`` (the carry of a step not taken)."""
-    new = jnp.asarray(new)
-    return lax.select(active, new, lax.convert_element_type(old, new.dtype))
+    """``new`` where ``active``, else ``old`` (the carry of a step not taken), typed as
+    ``new`` (its weak type kept)."""
+    new = jnp.asarray(new) if not isinstance(new, jax.Array) else new
+    t_new, t_old = jax.typeof(new), jax.typeof(old)
+    if (t_new.shape, t_new.dtype) != (t_old.shape, t_old.dtype):
+        return new  # the body changed the carry's type: make_body re-traces or refuses
+    out = lax.select(active, new, old)
+    if t_new.weak_type and not jax.typeof(out).weak_type and _convert_element_type is not None:
+        out = _convert_element_type(out, weak_type=True)
+    return out
 
 
 def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
