@@ -122,19 +122,25 @@ def dense_loss(adjoint, saveat, **kw):
 
 
 @pytest.mark.parametrize(
-    "saveat",
+    "make_saveat",
     [
-        diffrax.SaveAt(steps=True),
-        diffrax.SaveAt(dense=True),
-        diffrax.SaveAt(t0=True, ts=SAVE_TS[::9], steps=True, dense=True),
-        diffrax.SaveAt(subs=[diffrax.SubSaveAt(steps=3), diffrax.SubSaveAt(ts=SAVE_TS[::5])]),
+        lambda: diffrax.SaveAt(steps=True),
+        lambda: diffrax.SaveAt(dense=True),
+        lambda: diffrax.SaveAt(t0=True, ts=SAVE_TS[::9], steps=True, dense=True),
+        lambda: diffrax.SaveAt(
+            subs=[diffrax.SubSaveAt(steps=3), diffrax.SubSaveAt(ts=SAVE_TS[::5])]
+        ),
     ],
     ids=["steps", "dense", "steps+dense+ts+t0", "every-3rd-step"],
 )
 @pytest.mark.parametrize("memory", [1, 4, None])
-def test_saveat_steps_and_dense_match_recursive_checkpoint(saveat, memory):
+def test_saveat_steps_and_dense_match_recursive_checkpoint(make_saveat, memory):
     # Written on accepted steps only (conditional buffer writes): adaptive Tsit5 rejects
     # some steps, so a rejected step's write must leave the buffer and its cotangent.
+    # The SaveAt is made under x64 (float64 save times). With float32 ts next to a
+    # SubSaveAt(steps=3), the gradient differs from Diffrax's by 1e-8 relative at every
+    # memory (memory=None too), an open question (see the notes).
+    saveat = make_saveat()
     (got, (ts, ys)), grads = dense_loss(CheckpointAdjoint(memory=memory), saveat, **ADAPTIVE)
     (want, (ts_r, ys_r)), grads_r = dense_loss(RCA(), saveat, **ADAPTIVE)
     # The same outputs, unused rows (inf) included.
