@@ -97,6 +97,82 @@ def test_saveat_ts_matches_recursive_checkpoint(saves_per_step):
         assert_same(got, value_and_grads(RCA(), saveat=saveat, **kw))
 
 
+ADAPTIVE = dict(
+    solver=diffrax.Tsit5(),
+    controller=diffrax.PIDController(rtol=1e-8, atol=1e-8, pcoeff=0.3, icoeff=0.4),
+    dt0=0.1,
+    max_steps=512,
+)
+
+
+def dense_loss(adjoint, saveat, **kw):
+    """Outputs (unused rows are inf, set to 0) and, with dense=True, the interpolation at
+    off-step times: the value, the gradient, and the solution's ts and ys."""
+
+    def loss(y0, a):
+        sol = solve(y0, a, adjoint, saveat=saveat, **kw)
+        ys = [jnp.where(jnp.isfinite(y), y, 0.0) for y in jax.tree_util.tree_leaves(sol.ys)]
+        out = sum(jnp.sum(jnp.cos(jnp.arange(y.size)).reshape(y.shape) * y**2) for y in ys)
+        if saveat.dense:
+            out = out + jnp.sum(jax.vmap(sol.evaluate)(jnp.linspace(0.01, T1 - 0.01, 37)) ** 2)
+        return out, (sol.ts, sol.ys)
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return f(jnp.asarray(Y0), jnp.asarray(ARGS))
+
+
+@pytest.mark.parametrize(
+    "make_saveat",
+    [
+        lambda: diffrax.SaveAt(steps=True),
+        lambda: diffrax.SaveAt(dense=True),
+        lambda: diffrax.SaveAt(t0=True, ts=SAVE_TS[::9], steps=True, dense=True),
+        lambda: diffrax.SaveAt(
+            subs=[diffrax.SubSaveAt(steps=3), diffrax.SubSaveAt(ts=SAVE_TS[::5])]
+        ),
+    ],
+    ids=["steps", "dense", "steps+dense+ts+t0", "every-3rd-step"],
+)
+@pytest.mark.parametrize("memory", [1, 4, None])
+def test_saveat_steps_and_dense_match_recursive_checkpoint(make_saveat, memory):
+    # Written on accepted steps only (conditional buffer writes): adaptive Tsit5 rejects
+    # some steps, so a rejected step's write must leave the buffer and its cotangent.
+    # The SaveAt is made under x64 (float64 save times). With float32 ts next to a
+    # SubSaveAt(steps=3), the gradient differs from Diffrax's by 1e-8 relative at every
+    # memory (memory=None too), an open question (see the issue's notes).
+    saveat = make_saveat()
+    (got, (ts, ys)), grads = dense_loss(CheckpointAdjoint(memory=memory), saveat, **ADAPTIVE)
+    (want, (ts_r, ys_r)), grads_r = dense_loss(RCA(), saveat, **ADAPTIVE)
+    # The same outputs, unused rows (inf) included.
+    for g, w in zip(jax.tree_util.tree_leaves((ts, ys)), jax.tree_util.tree_leaves((ts_r, ys_r))):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    # Dense interpolation sums many terms: 1 slot recomputes steps in another order than
+    # Diffrax's checkpoints do (measured 2e-10 relative apart).
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_r)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+    sol = solve(jnp.asarray(Y0), jnp.asarray(ARGS), RCA(), saveat=saveat, **ADAPTIVE)
+    assert int(sol.stats["num_rejected_steps"]) > 0
+
+
+def test_saveat_steps_fixed_step_and_vmap():
+    # Fixed steps (every write taken), and vmap over initial conditions with adaptive
+    # steps: each member writes on its own accepted steps.
+    saveat = diffrax.SaveAt(steps=True, dense=True)
+    assert_same(dense_loss(CheckpointAdjoint(memory=5), saveat), dense_loss(RCA(), saveat))
+    y0s = jnp.asarray(Y0) * jnp.array([[1.0], [0.3], [2.0]])
+
+    def grads(adjoint):
+        def loss(y0):
+            sol = solve(y0, jnp.asarray(ARGS), adjoint, saveat=saveat, **ADAPTIVE)
+            ys = jnp.where(jnp.isfinite(sol.ys), sol.ys, 0.0)
+            return jnp.sum(ys**2) + jnp.sum(sol.evaluate(1.234) ** 2)
+
+        return jax.jit(jax.vmap(jax.grad(loss)))(y0s)
+
+    assert_same(grads(CheckpointAdjoint(memory=3)), grads(RCA()))
+
+
 def test_saveat_subsaveat_tree_and_fn_matches_recursive_checkpoint():
     # Two outputs (a tree of SubSaveAt), one through fn, and t0/t1 saves around the loop.
     saveat = diffrax.SaveAt(
@@ -129,6 +205,21 @@ def test_saves_per_step_too_small_raises():
     for f in (jax.value_and_grad(loss), eqx.filter_jit(loss)):
         with pytest.raises(Exception, match=r"more than saves_per_step=2"):
             jax.block_until_ready(f(jnp.asarray(Y0), jnp.asarray(ARGS)))
+
+
+@pytest.mark.parametrize("meter", [diffrax.TextProgressMeter, diffrax.TqdmProgressMeter])
+def test_progress_meter_gradient_matches_recursive_checkpoint(meter, capsys):
+    # The meter reads the loop's integer step count through Equinox's unvmap_max, which
+    # has no JVP rule: the count must come out of the loop with no tangent.
+    if meter is diffrax.TqdmProgressMeter:
+        pytest.importorskip("tqdm")
+    kw = dict(
+        solver=diffrax.Tsit5(),
+        controller=diffrax.PIDController(1e-7, 1e-7),
+        saveat=diffrax.SaveAt(ts=SAVE_TS[::20]),
+        progress_meter=meter(),
+    )
+    assert_same(value_and_grads(CheckpointAdjoint(memory=4), **kw), value_and_grads(RCA(), **kw))
 
 
 def test_max_steps_none():
@@ -235,12 +326,6 @@ def test_errors():
     with pytest.raises(TypeError):
         CheckpointAdjoint(4, 2)  # saves_per_step is keyword-only
     y0, a = jnp.asarray(Y0), jnp.asarray(ARGS)
-    for saveat, what in [
-        (diffrax.SaveAt(steps=True), r"SaveAt\(steps=...\) is not supported"),
-        (diffrax.SaveAt(dense=True), r"SaveAt\(dense=True\) is not supported"),
-    ]:
-        with pytest.raises(NotImplementedError, match=what):
-            solve(y0, a, CheckpointAdjoint(memory=4), saveat=saveat)
     bm = diffrax.UnsafeBrownianPath(shape=(), key=jax.random.key(0))
     terms = diffrax.MultiTerm(
         diffrax.ODETerm(field), diffrax.ControlTerm(lambda t, y, a: 0.1 * y, bm)
@@ -259,6 +344,57 @@ def test_forward_mode_raises():
             (jnp.asarray(Y0),),
             (jnp.asarray(Y0),),
         )
+
+
+_TYPECHECKED = """
+import sys
+import beartype, jaxtyping
+# As Diffrax's own test suite: jaxtyping's import hook with beartype on every call.
+with jaxtyping.install_import_hook(
+    "diffrax", "beartype.beartype(conf=beartype.BeartypeConf(strategy=beartype.BeartypeStrategy.On))"
+):
+    import diffrax
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+from memento.diffrax import CheckpointAdjoint
+
+def grads(adjoint, saveat):
+    def loss(y0):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, a: jnp.stack([y[1], -y[0] - 0.1 * y[1] ** 3])),
+            diffrax.Tsit5(), 0.0, 3.0, 0.1, y0, saveat=saveat,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-6),
+            adjoint=adjoint, max_steps=256,
+        )
+        return sum(jnp.sum(jnp.where(jnp.isfinite(y), y, 0.0) ** 2) for y in jax.tree_util.tree_leaves(sol.ys))
+    return jax.jit(jax.value_and_grad(loss))(jnp.array([1.0, 0.5]))
+
+for saveat in SAVEATS:
+    got = grads(CheckpointAdjoint(memory=4), saveat)
+    want = grads(diffrax.RecursiveCheckpointAdjoint(), saveat)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-10)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12)
+print("checked", len(SAVEATS))
+"""
+
+
+@pytest.mark.parametrize(
+    "saveats",
+    [
+        "[diffrax.SaveAt(ts=jnp.linspace(0.0, 3.0, 7)), diffrax.SaveAt(t0=True, t1=True)]",
+        "[diffrax.SaveAt(steps=True), diffrax.SaveAt(dense=True, t1=True)]",
+    ],
+    ids=["ts", "steps-dense"],
+)
+def test_under_diffrax_runtime_type_checks(saveats):
+    # Diffrax's SaveState annotates its outputs as MaybeBuffer[Real[Array, "times"]]; the
+    # write-only stand-ins must pass (they failed with a TypeCheckError before). The hook
+    # works at import time, hence a fresh interpreter.
+    pytest.importorskip("beartype")
+    code = _TYPECHECKED.replace("SAVEATS", saveats)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checked" in out.stdout
 
 
 def test_import_memento_stays_free_of_diffrax_and_hints_without_it():

@@ -33,6 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised only without diffrax
     raise ImportError('memento.diffrax needs Diffrax: pip install "memento-jax[diffrax]"') from e
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
@@ -55,8 +56,9 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
 
     A slot holds one solver state: ``y`` with the solver's and the step size
     controller's state (e.g. an FSAL stage, the previous step size). The outputs of
-    ``SaveAt(t0=..., t1=..., ts=..., fn=...)`` take no slots: they are written, not
-    checkpointed, as in Diffrax.
+    ``SaveAt(t0=..., t1=..., ts=..., steps=..., dense=..., fn=...)`` take no slots: they
+    are written, not checkpointed, as in Diffrax (``steps`` and ``dense`` on accepted
+    steps only, as conditional writes to `memento.while_loop`'s buffers).
 
     Args:
         memory: the budget for the step loop, as `memento.while_loop`'s ``memory``: an
@@ -75,8 +77,6 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         TypeError, ValueError: a ``memory`` that is not a budget (at construction).
         ValueError: from ``diffeqsolve``: ``memory=None`` with ``max_steps=None``; an
             ``UnsafeBrownianPath``.
-        NotImplementedError: from ``diffeqsolve``: ``SaveAt(steps=...)`` or
-            ``SaveAt(dense=True)``, whose outputs are written conditionally.
 
     Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (over initial conditions or
     parameters; the batch steps until its last member is done). Forward mode
@@ -95,9 +95,11 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         ``RecursiveCheckpointAdjoint`` with as many checkpoints (measured with 200 save
         times, ``tests/test_diffrax.py``); a small ``saves_per_step`` removes both.
 
-        Supported Diffrax versions: those of the ``memento-jax[diffrax]`` extra (0.7.x). The
-        adjoint hands its loops to ``AbstractAdjoint``'s solve loop (``self._loop``), the
-        extension point Diffrax's own adjoints use.
+        Supported Diffrax versions: those of the ``memento-jax[diffrax]`` extra (0.7.x;
+        tested with 0.7.2, also under Diffrax's own runtime type checks, jaxtyping with
+        beartype). The adjoint hands its loops to ``AbstractAdjoint``'s solve loop
+        (``self._loop``), the extension point Diffrax's own adjoints use. Progress meters
+        (``TextProgressMeter``) work under ``jax.grad``.
 
     Example:
         >>> sol = diffrax.diffeqsolve(  # doctest: +SKIP
@@ -161,15 +163,6 @@ def _check(terms, saveat, max_steps, memory) -> None:
             "cannot recompute steps; use diffrax.VirtualBrownianTree, or "
             "adjoint=diffrax.ForwardMode()."
         )
-    subs = jtu.tree_leaves(saveat.subs, is_leaf=lambda x: isinstance(x, diffrax.SubSaveAt))
-    if saveat.dense or any(s.steps for s in subs):
-        what = "SaveAt(dense=True)" if saveat.dense else "SaveAt(steps=...)"
-        raise NotImplementedError(
-            f"{_NAME}: {what} is not supported: its outputs are written only on accepted "
-            "steps, a conditional write that memento.while_loop's buffers cannot record. "
-            "Save at given times with SaveAt(ts=...), or use "
-            "adjoint=diffrax.RecursiveCheckpointAdjoint()."
-        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -202,33 +195,47 @@ def _map_buffers(tree, buffers, fn):
 
 
 @jtu.register_pytree_node_class
-class _Log:
+class _Log(jax.Array):
     """The writes of one inner loop to one buffer: rows ``values[:count]`` at ``index``.
 
     Inside the inner `memento.while_loop`, ``values`` and ``index`` are that loop's own
-    write-only buffers: row ``count`` of each is written once per write.
+    write-only buffers: row ``count`` of each is written once per write. It stands for
+    the outer buffer in Diffrax's save loop, so it has that buffer's shape and dtype and
+    is a ``jax.Array`` by type (Diffrax's ``SaveState`` annotations check both), as
+    `memento.loops.Buffer` is; it can only be written.
     """
 
-    def __init__(self, values, index, count):
+    def __init__(self, values, index, count, shape=None):
         self.values, self.index, self.count = values, index, count
+        self._shape = shape
+
+    shape = property(lambda self: self._shape)
+    dtype = property(lambda self: self.values.dtype)
+    ndim = property(lambda self: len(self._shape))
+
+    def __getitem__(self, index):
+        raise TypeError(f"{_NAME}: the save times' outputs are write-only inside the solve.")
+
+    @property
+    def aval(self):
+        self[()]
 
     @classmethod
     def empty(cls, buffer: _StandIn, capacity: int) -> _Log:
         trash = buffer.shape[0] - 1  # the extra row of `_outer_loop`
         values = jnp.zeros((capacity, *buffer.shape[1:]), buffer.dtype)
-        return cls(values, jnp.full(capacity, trash, jnp.int32), jnp.int32(0))
+        return cls(values, jnp.full(capacity, trash, jnp.int32), jnp.int32(0), buffer.shape)
 
     @property
     def at(self):
         return _LogAt(self)
 
     def tree_flatten(self):
-        return (self.values, self.index, self.count), None
+        return (self.values, self.index, self.count), self._shape
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
+        return cls(*children, shape=aux)
 
 
 class _LogAt:
@@ -245,6 +252,7 @@ class _LogAt:
                     log.values.at[log.count].set(value),
                     log.index.at[log.count].set(jnp.asarray(index, jnp.int32)),
                     log.count + 1,
+                    log.shape,
                 )
 
         return _Set
@@ -303,7 +311,7 @@ def _inner_loop(saves_per_step: int | None) -> Callable:
                 "of the SaveAt(ts=...) times; raise saves_per_step, or leave it None "
                 "(room for every time).",
             )
-            logs = [_Log(v, log.index, log.count) for v, log in zip(values, logs)]
+            logs = [_Log(v, log.index, log.count, log.shape) for v, log in zip(values, logs)]
         # Each stand-in takes its log in one write: the rows used, and the extra row.
         written = iter(s.at[log.index].set(log.values) for s, log in zip(stand_ins, logs))
         return jtu.tree_unflatten(treedef, [next(written) if _is_log(x) else x for x in out])

@@ -483,3 +483,146 @@ def test_budgets_above_64_slots_are_used():
     with pytest.warns(UserWarning, match=r"memento.while_loop: a budget of 300 slots .* 128"):
         g = jax.jit(jax.grad(loss), static_argnums=(1, 2))(w, 300, 400)
     np.testing.assert_allclose(np.asarray(g), np.asarray(expected), rtol=1e-12)
+
+
+# ------------------------------------------------------------- conditional writes, vmap
+
+
+def accept_body(w, b):
+    """A step accepted every other time (odd i): an accepted step writes h at k and
+    advances k, a rejected one writes there under a false predicate (Diffrax's
+    SaveAt(steps=True) and dense output write so)."""
+
+    def body(s):
+        i, k, h, buf = s
+        h = jnp.tanh(w @ h + b)
+        ok = i % 2 == 1
+        return i + 1, k + ok.astype(k.dtype), h, buf.at[k].set(h, pred=ok)
+
+    return body
+
+
+def accept_unrolled(w, b, h0, buf, n):
+    k = 0
+    h = h0
+    for i in range(n):
+        h = jnp.tanh(w @ h + b)
+        if i % 2 == 1:
+            buf = buf.at[k].set(h)
+            k += 1
+    return buf
+
+
+@pytest.mark.parametrize("memory", [1, 3, None])
+def test_conditional_writes_match_unrolled(memory):
+    w, b, h0 = params()
+    buf0 = jnp.full((12, H), jnp.inf)  # unwritten rows stay inf
+    ct = jnp.cos(jnp.arange(buf0.size, dtype=jnp.float64)).reshape(buf0.shape)
+
+    def loss(w, h0, buf, n):
+        out = memento.while_loop(
+            lambda s: s[0] < n, accept_body(w, b), (jnp.int32(0), jnp.int32(0), h0, buf),
+            max_steps=23, memory=memory, buffers=lambda s: s[3],
+        )  # fmt: skip
+        return jnp.sum(jnp.where(jnp.isfinite(out[3]), out[3], 0.0) * ct), out[3]
+
+    def loss_ref(w, h0, buf, n):
+        out = accept_unrolled(w, b, h0, buf, n)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0) * ct), out
+
+    for n in (0, 1, 2, 9, 23):
+        (v, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(w, h0, buf0, n)
+        (v_r, out_r), g_r = jax.value_and_grad(loss_ref, argnums=(0, 1, 2), has_aux=True)(
+            w, h0, buf0, n
+        )
+        np.testing.assert_array_equal(out, out_r)
+        assert_close(v, v_r)
+        for a, r in zip(g, g_r):
+            assert_close(a, r)
+    # A non-bool predicate is refused.
+    with pytest.raises(TypeError, match=r"takes a bool scalar pred"):
+        memento.while_loop(
+            lambda s: s[0] < 2,
+            lambda s: (s[0] + 1, s[1].at[s[0]].set(1.0, pred=jnp.int32(1))),
+            (0, jnp.zeros(3)), max_steps=3, memory=2, buffers=lambda s: s[1],
+        )  # fmt: skip
+
+
+def test_equinox_buffer_at_set_on_a_buffer():
+    # Equinox's buffer_at_set (Diffrax's conditional writes) reads the location with
+    # buf.at[i].get() and writes where(pred, x, old): the stand-in reads the value before
+    # the loop, which a location holds until its one write.
+    eqxi = pytest.importorskip("equinox.internal")
+    w, b, h0 = params()
+    buf0 = jnp.full((12, H), 7.0)
+
+    def loss(w, buf):
+        def body(s):
+            i, k, h, buf = s
+            h = jnp.tanh(w @ h + b)
+            ok = i % 2 == 1
+            return i + 1, k + ok.astype(k.dtype), h, eqxi.buffer_at_set(buf, k, h, pred=ok)
+
+        out = memento.while_loop(
+            lambda s: s[0] < 9, body, (jnp.int32(0), jnp.int32(0), h0, buf),
+            max_steps=12, memory=2, buffers=lambda s: s[3],
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(out[3]))
+
+    def ref(w, buf):
+        return jnp.sum(jnp.sin(accept_unrolled(w, b, h0, buf, 9)))
+
+    got = jax.value_and_grad(loss, argnums=(0, 1))(w, buf0)
+    want = jax.value_and_grad(ref, argnums=(0, 1))(w, buf0)
+    for a, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert_close(a, r)
+
+
+@pytest.mark.parametrize("memory", [1, 3, 6])
+def test_vmap_members_replay_in_lockstep(memory):
+    # Under vmap the batch runs one schedule, that of its longest member: a member that
+    # stopped takes steps that change nothing. Its gradient and its writes are its own.
+    w, b, h0 = params()
+    ns = jnp.array([0, 3, 17, 9, 1])
+    h0s = jnp.stack([h0, -h0, 2 * h0, h0 + 1, 0.5 * h0])
+    buf0 = jnp.zeros((12, H))
+
+    def one(h0, n):
+        def loss(w, h0, buf):
+            out = memento.while_loop(
+                lambda s: s[0] < n, accept_body(w, b), (jnp.int32(0), jnp.int32(0), h0, buf),
+                max_steps=20, memory=memory, buffers=lambda s: s[3],
+            )  # fmt: skip
+            return jnp.sum(out[2] ** 2) + jnp.sum(jnp.sin(out[3]))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(w, h0, buf0)
+
+    got = jax.jit(jax.vmap(one))(h0s, ns)
+    for k in range(len(ns)):
+
+        def ref(w, h0, buf, n=int(ns[k])):
+            h = h0
+            for _ in range(n):
+                h = jnp.tanh(w @ h + b)
+            return jnp.sum(h**2) + jnp.sum(jnp.sin(accept_unrolled(w, b, h0, buf, n)))
+
+        want = jax.grad(ref, argnums=(0, 1, 2))(w, h0s[k], buf0)
+        for a, r in zip(got, want):
+            assert_close(a[k], r)
+
+
+def test_vmap_evaluations_are_those_of_the_longest_member():
+    # One schedule for the batch: the body runs (batched) as often as in one loop of the
+    # longest member's length, not the per-member recursions' sum of maxima.
+    w, b, h0 = params()
+    counts = {"forward": 0}
+    body = counting_body(w, b, counts)
+    ns = jnp.array([5, 60, 33])
+
+    def loss(h0, n):
+        out = memento.while_loop(lambda s: s[0] < n, body, (0, h0), max_steps=100, memory=4)
+        return jnp.sum(out[1])
+
+    jax.block_until_ready(jax.jit(jax.vmap(jax.grad(loss)))(jnp.stack([h0] * 3), ns))
+    # The callback of a batched body runs once per batched evaluation.
+    assert counts["forward"] == planning.online_evaluations(4, 60, 100)

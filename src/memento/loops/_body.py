@@ -258,7 +258,36 @@ def inputs_to_consts(jaxpr, mask: Sequence[bool]):
     )
 
 
+try:  # JAX's own symbolic-zero analysis, as lax.scan's JVP uses; no public equivalent
+    from jax._src.interpreters.ad import jvp_jaxpr as _jvp_jaxpr
+    from jax._src.interpreters.partial_eval import convert_constvars_jaxpr as _constvars_in
+except ImportError:  # pragma: no cover - older or newer JAX
+    _jvp_jaxpr = _constvars_in = None
+
+
 def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:
+    """Which float outputs of ``jaxpr`` (constvars then invars in) have a nonzero tangent
+    when the marked inputs have one.
+
+    JAX's JVP of the jaxpr decides, with symbolic zeros, exactly as it decides for
+    ``lax.scan``: ``stop_gradient`` cuts a dependence, and nested calls and conds are
+    looked into (Diffrax's step size, computed under ``stop_gradient``, does not make
+    the time perturbed; a progress meter then reads it through ``unvmap_max``, which
+    has no JVP rule). Where that JVP cannot be formed (a primitive without a JVP rule
+    on a marked value, which the VJP will refuse anyway), `_depends_conservative`.
+    """
+    if _jvp_jaxpr is not None and _constvars_in is not None and any(inputs):
+        try:
+            closed = jex_core.ClosedJaxpr(_constvars_in(jaxpr), ())
+            _, nonzero = _jvp_jaxpr(closed, list(inputs), False)
+        except NotImplementedError:
+            pass
+        else:
+            return [bool(nz) and is_float(v.aval) for nz, v in zip(nonzero, jaxpr.outvars)]
+    return _depends_conservative(jaxpr, inputs)
+
+
+def _depends_conservative(jaxpr, inputs: Sequence[bool]) -> list[bool]:
     """Which outputs of ``jaxpr`` (constvars then invars in) depend on the marked inputs.
 
     Forward propagation over equations, conservative for higher-order primitives (every
@@ -289,14 +318,15 @@ _HIGHER_ORDER = (
 
 
 def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead: str):
-    """``run(*args)`` where ``run`` is a ``custom_vjp`` function; a clear error under jvp.
+    """``run(*args)`` where ``run`` is a ``custom_vjp`` function; a clear error under jvp,
+    and no tangent on the outputs that are not floats.
 
     JAX refuses forward-mode differentiation of a custom VJP (``jax.jvp``, and reverse
     over forward: ``jax.grad`` of a ``jax.jvp``) with messages that do not say what to do
     instead; the executors say it.
     """
     try:
-        return run(*args)
+        out = run(*args)
     except (TypeError, NotImplementedError) as e:
         msg = str(e)
         if "forward-mode" in msg or "jvp" in msg or "custom_lin" in msg:
@@ -307,6 +337,25 @@ def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead:
                 f"For forward mode use {instead}."
             ) from e
         raise
+    # Integer, bool and key outputs leave a custom VJP with a float0 tangent that is not
+    # JAX's symbolic zero, so under jax.grad a later primitive without a JVP rule (e.g.
+    # Equinox's unvmap_max, in Diffrax's progress meters) fails on them. As lax.while_loop
+    # and lax.scan do, give them no tangent at all.
+    return jax.tree_util.tree_map(lambda x: x if is_float(x) else _no_tangent(x), out)
+
+
+@jax.custom_jvp
+def _no_tangent(x):
+    """The identity, with a symbolic zero tangent whatever the input's."""
+    return x
+
+
+def _no_tangent_jvp(primals, tangents):
+    (x,), _ = primals, tangents
+    return x, SymbolicZero(jax.typeof(x).to_tangent_aval())
+
+
+_no_tangent.defjvp(_no_tangent_jvp, symbolic_zeros=True)
 
 
 try:  # the tracer type of an outer reverse-mode differentiation; no public equivalent

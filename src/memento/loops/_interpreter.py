@@ -335,7 +335,11 @@ def _layouts(prog: Program, body: Body, spec: ResidualSpec, place: bool):
     return layout, host, Slots(layout.pools.allocate(), host_pools)
 
 
-def x_at(xs, p):
+def x_at(xs, p) -> list:
+    """Step p's slice of ``xs``; ``xs`` may be a function of p (`memento.while_loop`'s
+    ``active`` input)."""
+    if callable(xs):
+        return xs(p)  # pyright: ignore[reportReturnType]
     return [
         lax.dynamic_index_in_dim(x, p, 0, keepdims=False, allow_negative_indices=False) for x in xs
     ]

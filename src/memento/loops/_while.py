@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core as jax_core, lax
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
 
 from ..planning import online_events
 from . import _recursion
@@ -47,7 +49,7 @@ from ._body import (
     varying_in_step,
 )
 from ._budget import Bytes, parse_memory, to_slots
-from ._pool import varying
+from ._pool import _convert_element_type, varying
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
@@ -101,12 +103,18 @@ def while_loop(
             returns the arrays (a node or a sequence of nodes of ``init_val``) the body
             only writes to, ``buf.at[i].set(x)``, like the output array of an ODE solve
             saved at given times. Inside ``body_fun`` they are write-only stand-ins
-            (reading one is an error; ``cond_fun`` sees the real arrays); each location
-            may be written at most once, in the loop or before it (unchecked, as in
-            Equinox: a second write gives wrong gradients). They are not checkpointed:
+            (`memento.loops.Buffer`, a ``jax.Array`` by type with the buffer's shape and
+            dtype; reading one is an error; ``cond_fun`` sees the real arrays); each
+            location may be written at most once, in the loop or before it (unchecked, as
+            in Equinox: a second write gives wrong gradients). They are not checkpointed:
             the carries kept in ``memory`` exclude them, and the backward pass hands each
-            written value its cotangent from the buffer's. Writes must be unconditional
-            in the body, with integer-array indices.
+            written value its cotangent from the buffer's. Indices are integer arrays. A
+            write may be conditional, ``buf.at[i].set(x, pred=p)`` with a bool scalar
+            ``p`` (as Equinox's): nothing is written, and no cotangent taken, where ``p``
+            is False, so a location may be written under false predicates any number of
+            times, and once under a true one. ``buf.at[i].get()`` reads the value the
+            location held before the loop, which is its value until its one write (what
+            Equinox's ``buffer_at_set`` reads; a read after the write is not detected).
         return_truncated: if True, return ``(final, truncated)``, where ``truncated`` is
             a bool scalar (one per member under ``vmap``): True when the loop stopped
             because it took ``max_steps`` steps while ``cond_fun`` still held, so the
@@ -139,8 +147,9 @@ def while_loop(
             ``psum`` runs once, after the backward loop.
 
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
-    predicate runs the batch until its last member stops; each member's gradient is its
-    own), nesting. Forward over reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is
+    predicate runs the batch until its last member stops, a stopped member's steps
+    changing nothing; the batch shares one checkpoint schedule, that of its longest
+    member, and each member's gradient is its own), nesting. Forward over reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is
     exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
     over reverse (``grad(grad(f))``, also through ``jax.checkpoint``) a
     ``NotImplementedError``.
@@ -186,12 +195,18 @@ def while_loop(
     carry0 = [c for c, b in zip(init_leaves, is_buffer) if not b]
     buffers0 = [c for c, b in zip(init_leaves, is_buffer) if b]
     buffer_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in buffers0]
-    writes: list = []  # per write of one step: (buffer number, number of index leaves)
+    # Per write of one step: (buffer number, number of index leaves, conditional?).
+    writes: list = []
 
-    def as_step(c, _):
+    def as_step(c, active):
         # The carry without its buffers; the buffers are write-only stand-ins that
-        # record what the body writes, returned as the step's outputs.
-        stand_ins = [_Buffer(j, a) for j, a in enumerate(buffer_avals)]
+        # record what the body writes, returned as the step's outputs. ``active`` (a bool
+        # input) says whether the step is taken: under vmap the batch steps until its
+        # last member stops, and a member already stopped keeps its carry and writes
+        # nothing (see `_differentiable_run`); otherwise it is always True.
+        stand_ins = [
+            _Buffer(j, a, initial=b) for j, (a, b) in enumerate(zip(buffer_avals, buffers0))
+        ]
         full = _merge_buffers(c, stand_ins, is_buffer)
         out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
         is_stand_in = lambda x: isinstance(x, _Buffer)  # noqa: E731
@@ -201,11 +216,12 @@ def while_loop(
         new_c, ys = [], []
         writes.clear()
         j = 0
-        for leaf, b in zip(out_leaves, is_buffer):
+        for leaf, b, old in zip(out_leaves, is_buffer, full):
             if not b:
                 if isinstance(leaf, _Buffer):
                     raise TypeError(f"{_NAME}: body_fun moved a buffer to a non-buffer leaf.")
-                new_c.append(leaf)
+                # A leaf returned as it came is left so (a read-only leaf, see below).
+                new_c.append(leaf if leaf is old else _select(active, leaf, old))
                 continue
             if not (isinstance(leaf, _Buffer) and leaf.number == j):
                 raise TypeError(
@@ -213,15 +229,16 @@ def while_loop(
                     f"buf.at[i].set(x) (got {type(leaf).__name__}); buffers are write-only "
                     "inside the loop."
                 )
-            for idx, value in leaf.writes:
-                writes.append((j, len(idx)))
-                ys.extend([*idx, value])
+            for idx, value, pred in leaf.writes:
+                pred = active if pred is None else pred & active
+                writes.append((j, len(idx), True))
+                ys.extend([*idx, value, pred])
             j += 1
         return new_c, ys
 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
     paths = [p for p, b in zip(paths, is_buffer) if not b]
-    body = make_body(as_step, carry0, None, name=_NAME, carry_paths=paths)
+    body = make_body(as_step, carry0, jnp.bool_(True), name=_NAME, carry_paths=paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
@@ -334,12 +351,29 @@ def _merge_buffers(carry, bufs, is_buffer) -> list:
     return [next(it_b) if b else next(it_c) for b in is_buffer]
 
 
-class _Buffer:
-    """A buffer inside ``body_fun``: supports ``buf.at[i].set(x)`` only, recording writes."""
+class _Buffer(jax.Array):
+    """A buffer inside ``body_fun``: supports ``buf.at[i].set(x)`` only, recording writes.
 
-    def __init__(self, number: int, aval, writes: tuple = ()):
-        self.number, self.aval, self.writes = number, aval, writes
-        self.shape, self.dtype, self.ndim = aval.shape, aval.dtype, len(aval.shape)
+    It is a ``jax.Array`` by type, with the buffer's ``shape``, ``dtype`` and ``ndim``, so
+    that annotations of arrays accept it: Diffrax's ``SaveState`` checks its ``ts`` and
+    ``ys`` against ``Real[Array, "times"]`` under jaxtyping's runtime checks (Equinox's
+    ``MaybeBuffer`` unwraps Equinox's own buffer, then checks the array). Its values
+    cannot be read: every read is a ``TypeError`` that says so.
+    """
+
+    def __init__(self, number: int, aval, writes: tuple = (), *, initial=None):
+        self.number, self._aval, self.writes = number, aval, writes
+        self._initial = initial
+
+    shape = property(lambda self: tuple(self._aval.shape))
+    dtype = property(lambda self: self._aval.dtype)
+    ndim = property(lambda self: len(self._aval.shape))
+    size = property(lambda self: int(np.prod(self._aval.shape)))
+
+    @property
+    def aval(self):
+        # JAX reads ``aval`` to treat a jax.Array as a value: that is a read.
+        self[()]
 
     @property
     def at(self):
@@ -354,6 +388,12 @@ class _Buffer:
     def __jax_array__(self):
         self[()]
 
+    def __array__(self, *args, **kwargs):
+        self[()]
+
+    def __repr__(self) -> str:
+        return f"memento.loops.Buffer({self.dtype}{list(self.shape)}, {len(self.writes)} writes)"
+
 
 class _BufferAt:
     def __init__(self, buffer: _Buffer):
@@ -363,31 +403,60 @@ class _BufferAt:
         return _BufferWrite(self.buffer, index)
 
 
+def _as_index(index) -> tuple:
+    index = tuple(jnp.asarray(i) for i in (index if isinstance(index, tuple) else (index,)))
+    if not all(jnp.issubdtype(i.dtype, jnp.integer) for i in index):
+        raise TypeError(f"{_NAME}: a buffer is written at integer (array) indices, got {index!r}.")
+    return index
+
+
 class _BufferWrite:
     def __init__(self, buffer: _Buffer, index):
         self.buffer, self.index = buffer, index
 
-    def set(self, value) -> _Buffer:
+    def set(self, value, *, pred=True) -> _Buffer:
+        """The buffer with ``value`` written at the index; with ``pred`` (a bool scalar,
+        as Equinox's ``buf.at[i].set(x, pred=...)``), written only where it is True."""
         b = self.buffer
-        index = self.index if isinstance(self.index, tuple) else (self.index,)
-        index = tuple(jnp.asarray(i) for i in index)
-        if not all(jnp.issubdtype(i.dtype, jnp.integer) for i in index):
-            raise TypeError(
-                f"{_NAME}: a buffer is written at integer (array) indices, got {self.index!r}."
-            )
+        index = _as_index(self.index)
         shape = jax.eval_shape(lambda *i: jnp.zeros(b.shape, b.dtype)[i], *index).shape
         value = jnp.broadcast_to(jnp.asarray(value, b.dtype), shape)
-        return _Buffer(b.number, b.aval, (*b.writes, (index, value)))
+        if pred is True:
+            pred = None
+        else:
+            pred = jnp.asarray(pred)
+            if pred.shape != () or pred.dtype != jnp.bool_:
+                raise TypeError(
+                    f"{_NAME}: buf.at[i].set(x, pred=...) takes a bool scalar pred, got "
+                    f"{pred.dtype}{list(pred.shape)}."
+                )
+        return _Buffer(b.number, b._aval, (*b.writes, (index, value, pred)), initial=b._initial)
+
+    def get(self, **kwargs):
+        """The value the location held before the loop, which is its value until its one
+        write (buffers are written once per location): what Equinox's ``buffer_at_set``
+        reads to write under a predicate. Reading a location after it was written gives
+        that old value too, unchecked, as a second write is."""
+        b = self.buffer
+        if kwargs or b._initial is None:
+            raise TypeError(
+                f"{_NAME}: buffers are write-only inside body_fun: buf.at[i].get() (with no "
+                "arguments) reads only the value a location held before the loop."
+            )
+        return b._initial[_as_index(self.index)]
 
 
 def _apply_writes(bufs, ys, write_spec) -> list:
-    """The buffers after one step's writes (``ys``: index leaves then value, per write)."""
+    """The buffers after one step's writes (``ys``: per write, its index leaves, its value
+    and, for a conditional write, its predicate)."""
     bufs = list(bufs)
     k = 0
-    for j, n_idx in write_spec:
+    for j, n_idx, conditional in write_spec:
         index, value = tuple(ys[k : k + n_idx]), ys[k + n_idx]
+        if conditional:
+            value = jnp.where(ys[k + n_idx + 1], value, bufs[j][index])
         bufs[j] = bufs[j].at[index].set(value)
-        k += n_idx + 1
+        k += n_idx + 1 + conditional
     return bufs
 
 
@@ -426,8 +495,8 @@ def _differentiable_run(
         ok = cond(cond_consts, c, bufs)
         return ok if steps is None else jnp.logical_and(p < steps, ok)
 
-    def step(consts, c, bufs):
-        c, ys = body(consts, c, [])
+    def step(consts, c, bufs, active=True):
+        c, ys = body(consts, c, [jnp.asarray(active)])
         return c, _apply_writes(bufs, ys, write_spec)
 
     @jax.custom_vjp
@@ -443,7 +512,7 @@ def _differentiable_run(
 
     def fwd(consts, cond_consts, init, bufs):
         # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
-        b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [])
+        b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [False])
         _refuse_per_step_psums(b, cond_jaxpr)
         consts, cond_consts, init, bufs = (
             [a.value for a in x] for x in (consts, cond_consts, init, bufs)
@@ -451,25 +520,46 @@ def _differentiable_run(
         hidden = _recursion.allocate(body.carry_avals, num_slots)
         sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
 
+        # One schedule for the whole batch under vmap, as Equinox's loop does: the loop
+        # runs while any member runs (`_any_member` is unbatched), its step counter p and
+        # the checkpoint events stay unbatched, and a member that has stopped takes
+        # steps that change nothing (``active`` False: its carry is kept, its writes are
+        # not made). Each member's trajectory is then that of a loop of the batch's
+        # length whose last steps are the identity, and the backward pass replays them
+        # in lockstep, with no control flow that depends on the member. (Letting vmap
+        # batch the loop instead gave each member its own recursion: the batch paid, at
+        # every backward step, the longest of the members' recomputations.)
         def body_fn(state):
-            p, ptr, c, hidden, bufs = state
+            p, ptr, c, hidden, bufs, n, active = state
             keep = sp[ptr] == p
             if num_slots:
                 hidden = _recursion.write(hidden, ss[ptr], c, body.carry_avals, keep, pos=p)
-            c, bufs = step(consts, c, bufs)
-            return p + 1, ptr + keep.astype(jnp.int32), c, hidden, bufs
+            c, bufs = step(consts, c, bufs, _member_active(active))
+            p, n = p + 1, n + active.astype(jnp.int32)
+            return (
+                p,
+                ptr + keep.astype(jnp.int32),
+                c,
+                hidden,
+                bufs,
+                n,
+                running(cond_consts, p, c, bufs),
+            )
 
-        state = (jnp.int32(0), jnp.int32(0), list(init), hidden, list(bufs))
-        n, _, c, hidden, bufs = lax.while_loop(
-            lambda s: running(cond_consts, s[0], s[2], s[4]), body_fn, state
+        zero = jnp.int32(0)
+        go = running(cond_consts, zero, list(init), list(bufs))
+        state = (zero, zero, list(init), hidden, list(bufs), zero, go)
+        total, _, c, hidden, bufs, n, _ = lax.while_loop(
+            lambda s: _any_member(s[6]), body_fn, state
         )
-        stack_pos, stack_slot, depth = _stack(n, num_slots, row_pos, row_slot, row_store)
-        res = (consts, init, hidden, n, stack_pos, stack_slot, depth, bufs)
+        stack_pos, stack_slot, depth = _stack(total, num_slots, row_pos, row_slot, row_store)
+        res = (consts, init, hidden, total, n, stack_pos, stack_slot, depth, bufs)
         return (c, bufs), (res, Static(b))
 
     def bwd(res, cts):
         refuse_reverse_over_reverse((res, cts), name=_NAME)
-        (consts, init, hidden, n, stack_pos, stack_slot, depth, bufs), b = res[0], res[1].value
+        (consts, init, hidden, total, n, stack_pos, stack_slot, depth, bufs) = res[0]
+        b = res[1].value
         ct_final, ct_bufs = cts
         ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
         # Cotangents of float buffers only; a written location passes its cotangent to the
@@ -484,7 +574,8 @@ def _differentiable_run(
         # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
         hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
         ct_k, ct_init, ct_b = _recursion.backward(
-            b, slots, max_t, consts, init, [], hidden, n - 1, stack_pos, depth, ct_c,
+            b, slots, max_t, consts, init, lambda e: [_member_active(e < n)], hidden, total - 1, stack_pos,
+            depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
         )  # fmt: skip
@@ -499,6 +590,61 @@ def _differentiable_run(
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
+
+
+# Whether any member of a batch runs: the identity outside vmap; under vmap, the any over
+# the batch, unbatched (a primitive with a batching rule, lowered to nothing).
+_any_member_p = jex_core.Primitive("memento_any_member")
+_any_member_p.def_impl(lambda x: x)
+_any_member_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(_any_member_p, lambda ctx, x: [x])
+
+
+def _any_member_batched(args, dims):
+    (x,), (d,) = args, dims
+    return (x if d is None else jnp.any(x, axis=d)), None
+
+
+batching.primitive_batchers[_any_member_p] = _any_member_batched
+
+
+def _any_member(x):
+    """``x``, a bool scalar; under ``vmap``, whether any member's is True, unbatched."""
+    return _any_member_p.bind(x)
+
+
+# Whether a member takes the step: True outside vmap, where the loop runs only while its
+# predicate holds (lowered as the constant, so the selects and conditional writes it
+# guards fold away); under vmap, the member's own ``x``.
+_member_active_p = jex_core.Primitive("memento_member_active")
+_member_active_p.def_impl(lambda x: np.bool_(True))
+_member_active_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(_member_active_p, lambda ctx, x: [mlir.ir_constant(np.array(True))])
+
+
+def _member_active_batched(args, dims):
+    (x,), (d,) = args, dims
+    return (_member_active_p.bind(x), None) if d is None else (x, d)
+
+
+batching.primitive_batchers[_member_active_p] = _member_active_batched
+
+
+def _member_active(x):
+    return _member_active_p.bind(x)
+
+
+def _select(active, new, old):
+    """``new`` where ``active``, else ``old`` (the carry of a step not taken), typed as
+    ``new`` (its weak type kept)."""
+    new = jnp.asarray(new) if not isinstance(new, jax.Array) else new
+    t_new, t_old = jax.typeof(new), jax.typeof(old)
+    if (t_new.shape, t_new.dtype) != (t_old.shape, t_old.dtype):
+        return new  # the body changed the carry's type: make_body re-traces or refuses
+    out = lax.select(active, new, old)
+    if t_new.weak_type and not jax.typeof(out).weak_type and _convert_element_type is not None:
+        out = _convert_element_type(out, weak_type=True)
+    return out
 
 
 def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
@@ -556,16 +702,24 @@ def _stack(n, num_slots, row_pos, row_slot, row_store):
 
 
 def _buffer_cts(body: Body, buf_float, write_spec, e, ys, ct_b):
-    """Each float write's cotangent, read from its buffer's (then zeroed there)."""
+    """Each float write's cotangent, read from its buffer's (then zeroed there); a
+    conditional write not taken gets zero and leaves the buffer's cotangent as it is."""
     ct_y, k = [], 0
     ct_b = list(ct_b)
     where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
-    for j, n_idx in write_spec:
+    for j, n_idx, conditional in write_spec:
         index = tuple(ys[k : k + n_idx])
         if buf_float[j]:
             f = int(where[j])
-            if body.y_mask[k + n_idx]:  # the value written is differentiated
-                ct_y.append(ct_b[f][index])
-            ct_b[f] = ct_b[f].at[index].set(0)
-        k += n_idx + 1
+            ct = ct_b[f][index]
+            if conditional:
+                pred = ys[k + n_idx + 1]
+                if body.y_mask[k + n_idx]:  # the value written is differentiated
+                    ct_y.append(jnp.where(pred, ct, jnp.zeros_like(ct)))
+                ct_b[f] = ct_b[f].at[index].set(jnp.where(pred, jnp.zeros_like(ct), ct))
+            else:
+                if body.y_mask[k + n_idx]:
+                    ct_y.append(ct)
+                ct_b[f] = ct_b[f].at[index].set(0)
+        k += n_idx + 1 + conditional
     return ct_y, ct_b
