@@ -55,17 +55,28 @@ def test_impl(scan, jit):
     assert_close(run(pytree_body, init, xs), lax.scan(pytree_body, init, xs), weak=True)
 
 
-@pytest.mark.parametrize("scan", MEMENTO, ids=repr)
-@pytest.mark.parametrize("reverse", [False, True])
-def test_grad_reverse_xs_none_and_length(scan, reverse):
-    def loss(scan, c, xs):
+def grad_reverse_xs_none_and_length(scan, reverse):
+    def loss(c, xs):
         c, ys = scan(body, c, xs, reverse=reverse)
         (h, (_, acc)), out = scan(pytree_body, (c, (0, 0.0)), {"scale": xs[:, 1], "v": xs})
         g, zs = scan(lambda c, _: (jnp.sin(c) * 1.1, c[0]), h, None, length=5)
         return jnp.sum(ys * jnp.arange(T)) + acc + jnp.sum(out["h2"]) + jnp.sum(g) + zs.sum()
 
-    grad = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=0)
-    assert_close(grad(scan, C0, XS), grad(LAX, C0, XS))
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(C0, XS)
+
+
+# lax.scan's results, computed once for every variant that compares with them (the
+# references of the costlier tests below are cached the same way).
+lax_grad_reverse_xs_none_and_length = functools.cache(
+    functools.partial(grad_reverse_xs_none_and_length, LAX)
+)
+
+
+@pytest.mark.parametrize("scan", MEMENTO, ids=repr)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_grad_reverse_xs_none_and_length(scan, reverse):
+    got = grad_reverse_xs_none_and_length(scan, reverse)
+    assert_close(got, lax_grad_reverse_xs_none_and_length(reverse))
 
 
 def rnn(scan, params, h0, xs):
@@ -78,48 +89,69 @@ def rnn(scan, params, h0, xs):
     return jnp.sum((ys - 0.3) ** 2)
 
 
+RNN_PARAMS = {
+    "W": rng.normal(size=(4, 4)) * 0.5,
+    "U": rng.normal(size=(4, 3)),
+    "b": rng.normal(size=4),
+    "v": rng.normal(size=4),
+}
+
+
 def rnn_args():
-    p = {
-        "W": jnp.asarray(rng.normal(size=(4, 4))) * 0.5,
-        "U": jnp.asarray(rng.normal(size=(4, 3))),
-        "b": jnp.asarray(rng.normal(size=4)),
-        "v": jnp.asarray(rng.normal(size=4)),
-    }
-    return p, C0, XS
+    return {k: jnp.asarray(v) for k, v in RNN_PARAMS.items()}, C0, XS
+
+
+def rnn_derivatives(scan, second_order: bool) -> list:
+    """The RNN loss's gradient and, if ``second_order``, forward over reverse: jvp of the
+    gradient, the Hessian and jacfwd of jacrev."""
+    args = rnn_args()
+    f = functools.partial(rnn, scan)
+    out = [jax.grad(f, argnums=(0, 1, 2))(*args)]
+    if second_order:
+        tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
+        out.append(jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,)))
+        out.append(jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1]))
+        out.append(jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2]))
+    return out
+
+
+lax_rnn_derivatives = functools.cache(functools.partial(rnn_derivatives, LAX, True))
+
+# Forward over reverse through every storage path: the FEW variants (each executor, HSM,
+# MSM and the host level) and the ISM and 2-slot MSM rows; the rest check the gradient.
+SECOND_ORDER = [*FEW, *(v for v in ROWS if v.name in ("ism-over", "msm-2"))]
 
 
 @pytest.mark.parametrize("scan", MEMENTO, ids=repr)
 def test_rnn_value_grad_and_second_order(scan):
-    args = rnn_args()
-    loss = functools.partial(rnn, scan)
-    ref = functools.partial(rnn, LAX)
-    assert_close(jax.grad(loss, argnums=(0, 1, 2))(*args), jax.grad(ref, argnums=(0, 1, 2))(*args))
-    # Forward over reverse must be exact: jvp(grad), hessian, jacfwd(jacrev).
-    tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
-    hvp = lambda f: jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,))
-    assert_close(hvp(loss), hvp(ref))
-    hess = lambda f: jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1])
-    assert_close(hess(loss), hess(ref))
-    jfjr = lambda f: jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2])
-    assert_close(jfjr(loss), jfjr(ref))
+    got = rnn_derivatives(scan, scan in SECOND_ORDER)
+    assert_close(got, lax_rnn_derivatives()[: len(got)])
 
 
-@pytest.mark.parametrize("scan", FEW, ids=repr)
-@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (0, 0), (1, 2)])
-def test_vmap(scan, in_axes):
+def vmapped(scan, in_axes) -> list:
+    """Values, the gradient of a batched loss, and batched gradients, under ``vmap``."""
     c_bdim, x_bdim = in_axes
     cs = C0 if c_bdim is None else jnp.stack([C0 * (i + 1) for i in range(3)], c_bdim)
     xs = XS if x_bdim is None else jnp.stack([XS - i for i in range(3)], x_bdim)
-    run = lambda s: jax.vmap(lambda c, x: s(body, c, x), in_axes)(cs, xs)
-    assert_close(run(scan), run(LAX))
-    # the gradient of a batched loss, and batched gradients
-    loss = lambda s, c, x: jnp.sum(jnp.sin(s(body, c, x)[1]))
-    g = lambda s: jax.grad(
-        lambda c, x: jnp.sum(jax.vmap(functools.partial(loss, s), in_axes)(c, x)), (0, 1)
-    )(cs, xs)
-    assert_close(g(scan), g(LAX))
-    per = lambda s: jax.vmap(jax.grad(functools.partial(loss, s), (0, 1)), in_axes)(cs, xs)
-    assert_close(per(scan), per(LAX))
+    out = [jax.vmap(lambda c, x: scan(body, c, x), in_axes)(cs, xs)]
+    loss = lambda c, x: jnp.sum(jnp.sin(scan(body, c, x)[1]))
+    out.append(jax.grad(lambda c, x: jnp.sum(jax.vmap(loss, in_axes)(c, x)), (0, 1))(cs, xs))
+    out.append(jax.vmap(jax.grad(loss, (0, 1)), in_axes)(cs, xs))
+    return out
+
+
+lax_vmapped = functools.cache(functools.partial(vmapped, LAX))
+
+# Every batching of carry and xs for one variant per executor and level; the others are
+# batched in both.
+_AXES = [(0, None), (None, 0), (0, 0), (1, 2)]
+_EVERY_AXIS = ("hsm-1", "hsm-rec-1", "host-msm-2-3")
+VMAP_CASES = [(s, a) for s in FEW for a in _AXES if a == (0, 0) or s.name in _EVERY_AXIS]
+
+
+@pytest.mark.parametrize("scan,in_axes", VMAP_CASES, ids=repr)
+def test_vmap(scan, in_axes):
+    assert_close(vmapped(scan, in_axes), lax_vmapped(in_axes))
 
 
 @pytest.mark.parametrize("scan", FEW, ids=repr)
