@@ -67,8 +67,13 @@ def test_two_processes(tmp_path):
     if time.monotonic() > deadline:
         tails = [out[-2000:] for _, out, _ in outs]
         pytest.fail(f"the processes did not finish in {TIMEOUT_S} s (a deadlock?): {tails}")
-    for rank, (code, out, err) in enumerate(outs):
-        assert code == 0 and "DONE" in out, (rank, code, out[-3000:], err[-3000:])
+    # Every rank's code and tails: the first to fail is not always rank 0 (the others are
+    # then killed, with -9).
+    failed = [
+        (r, c, o[-2000:], e[-2000:]) for r, (c, o, e) in enumerate(outs) if c or "DONE" not in o
+    ]
+    assert not failed, failed
+    for rank, (_, out, _) in enumerate(outs):
         errors = {
             line.split()[1]: float(line.split()[2])
             for line in out.splitlines()

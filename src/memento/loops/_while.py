@@ -534,8 +534,9 @@ def _differentiable_run(
             keep = sp[ptr] == p
             if num_slots:
                 hidden = _recursion.write(hidden, ss[ptr], c, body.carry_avals, keep, pos=p)
-            c, bufs = step(consts, c, bufs, _member_active(active))
-            p, n = p + 1, n + active.astype(jnp.int32)
+            taken = _member_active(active)  # True outside vmap, with no varying axes
+            c, bufs = step(consts, c, bufs, taken)
+            p, n = p + 1, n + taken.astype(jnp.int32)
             return (
                 p,
                 ptr + keep.astype(jnp.int32),
@@ -616,9 +617,24 @@ def _any_member(x):
 # Whether a member takes the step: True outside vmap, where the loop runs only while its
 # predicate holds (lowered as the constant, so the selects and conditional writes it
 # guards fold away); under vmap, the member's own ``x``.
+try:  # the aval of values that vary over no manual mesh axis (private in JAX 0.10)
+    from jax._src.core import empty_mat as _NO_MANUAL_AXES
+except ImportError:
+    _NO_MANUAL_AXES = None
 _member_active_p = jex_core.Primitive("memento_member_active")
 _member_active_p.def_impl(lambda x: np.bool_(True))
-_member_active_p.def_abstract_eval(lambda x: x)
+
+
+# Outside vmap the value is the constant True, so it varies over no mesh axis, whatever
+# the predicate it stands for does (a per-device predicate under shard_map): typed as
+# the body's ``active`` input was traced.
+def _member_active_aval(x):
+    if _NO_MANUAL_AXES is not None and hasattr(x, "mat"):  # JAX 0.10's type of varying axes
+        return x.update(manual_axis_type=_NO_MANUAL_AXES)
+    return x.update(vma=frozenset()) if hasattr(x, "vma") else x
+
+
+_member_active_p.def_abstract_eval(_member_active_aval)
 mlir.register_lowering(_member_active_p, lambda ctx, x: [mlir.ir_constant(np.array(True))])
 
 
