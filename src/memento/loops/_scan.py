@@ -122,8 +122,8 @@ def scan(
     Raises:
         ValueError: a budget too small for one step (the message names the minimum), an
             unknown policy, inconsistent lengths; ``policy="ism"`` with a budget below one
-            internal state (when the gradient is traced); ``host_memory`` negative,
-            without ``transfer_cost``, with ``executor="recursion"`` or
+            internal state (when the gradient is traced); ``host_memory`` negative, in
+            bytes that hold no carry, without ``transfer_cost``, with ``executor="recursion"`` or
             ``policy="ism"``, or ``transfer_cost`` without ``host_memory``.
         TypeError: a body that changes the carry's structure, shapes or dtypes (the
             message names each leaf); a bad ``memory``; forward mode (see below).
@@ -166,7 +166,7 @@ def scan(
         slots=slots,
         policy=policy,
         executor=executor,
-        host=_host_slots(host, nbytes(body.carry_avals)),
+        host=_host_slots(host, nbytes(body.carry_avals), name=_NAME),
     )
 
     run = _differentiable_run(body, plan, num_steps, unroll)
@@ -261,7 +261,7 @@ def scan_schedule(
         executor=executor,
         name=name,
         rows=True,
-        host=_host_slots(host, nbytes(body.carry_avals)),
+        host=_host_slots(host, nbytes(body.carry_avals), name=name),
     )
     assert schedule is not None  # rows=True always plans one
     return schedule
@@ -425,15 +425,26 @@ def check_host_memory(
     return host, pair
 
 
-def _host_slots(host: HostBudget, carry_bytes: int):
-    """``(slots or math.inf, (write, read))`` of a validated host budget, or None."""
+def _host_slots(host: HostBudget, carry_bytes: int, *, name: str):
+    """``(slots or math.inf, (write, read))`` of a validated host budget, or None.
+
+    Raises:
+        ValueError: a byte budget that holds no carry (a host level that could never be
+            used; ask for ``None`` or 0 to plan one level).
+    """
     if host is None:
         return None
     budget, pair = host
     if isinstance(budget, Bytes):
-        budget = budget.num_bytes // max(carry_bytes, 1)
-        if budget < 1:
-            return None  # less than one carry on the host: one level
+        if budget.num_bytes == 0:
+            return None
+        slots = budget.num_bytes // max(carry_bytes, 1)
+        if slots < 1:
+            raise ValueError(
+                f"{name}: host_memory={budget.num_bytes} bytes holds no carry "
+                f"({carry_bytes} bytes); raise it, or pass None for no host level."
+            )
+        budget = slots
     return budget, pair
 
 
