@@ -189,6 +189,54 @@ def torch_info() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
+def torch_device_info(device: str) -> dict[str, Any]:
+    """`torch_info` plus the device, and the GPU's name where it is one."""
+    import torch
+
+    info = {**torch_info(), "device": device}
+    if device.startswith("cuda"):
+        info["cuda"] = torch.version.cuda
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def torch_peak_bytes(run: Callable[[], object], existing: Sequence, device: str) -> int:
+    """Peak memory of ``run()`` above what was allocated before it, on ``device``.
+
+    On a GPU: ``torch.cuda.max_memory_allocated()`` after
+    ``torch.cuda.reset_peak_memory_stats()``, less the bytes allocated before ``run``
+    (inputs, parameters). On CPU, where PyTorch keeps no count:
+    `memento.torch.peak_bytes` (live tensor bytes above ``existing``).
+    """
+    import torch
+
+    if not device.startswith("cuda"):
+        import memento.torch
+
+        return memento.torch.peak_bytes(run, existing)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def torch_synced(call: Callable[[], Any], device: str) -> Callable[[], Any]:
+    """``call`` with ``torch.cuda.synchronize()`` before and after it on a GPU (so that a
+    timer around it measures the device's work); ``call`` itself elsewhere."""
+    if not device.startswith("cuda"):
+        return call
+    import torch
+
+    def synced():
+        torch.cuda.synchronize(device)
+        call()
+        torch.cuda.synchronize(device)
+
+    return synced
+
+
 def warm_round_robin(calls: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """One warm-up call each, then `time_round_robin`'s medians (eager code: no compile)."""
     for call in calls.values():

@@ -16,22 +16,41 @@ budget is then the largest of a grid of byte budgets whose *measured* peak is at
 Rotor and Rockmate (other optimal checkpointing libraries for PyTorch) are not installed
 here and not compared.
 
-    python benchmarks/torch_chain.py [--repeats 5]
+With ``--device cuda`` the stacks and inputs are on the GPU, memory is
+``torch.cuda.max_memory_allocated()`` after ``torch.cuda.reset_peak_memory_stats()`` (less
+what was allocated before the run; issue 22) and every timed run is bracketed by
+``torch.cuda.synchronize()``.
+
+    python benchmarks/torch_chain.py [--repeats 5] [--device cuda]
+
+Writes benchmarks/results/torch_chain.json, or benchmarks/results/gpu/torch_chain.json on
+a GPU (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # _common imports jax: keep it off the GPU
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 import memento.torch
-from _common import machine, torch_info, warm_round_robin, write_json
+from _common import (
+    machine,
+    torch_device_info,
+    torch_peak_bytes,
+    torch_synced,
+    warm_round_robin,
+    write_json,
+)
 
 RESULTS = Path(__file__).parent / "results" / "torch_chain.json"
+RESULTS_GPU = Path(__file__).parent / "results" / "gpu" / "torch_chain.json"
 
 
 class Block(nn.Module):
@@ -63,7 +82,7 @@ def transformer():
     return nn.Sequential(*layers), torch.randn(4, 128, 64)
 
 
-def bench(name, net, x, segments, repeats):
+def bench(name, net, x, segments, repeats, device="cpu"):
     params = list(net.parameters())
     xg = x.clone().requires_grad_()
     existing = [x, xg, *params]
@@ -83,11 +102,11 @@ def bench(name, net, x, segments, repeats):
         return lambda: memento.torch.checkpoint_sequential(net, xg, memory=memory).sum().backward()
 
     zero()
-    peaks = {"plain": memento.torch.peak_bytes(plain, existing)}
+    peaks = {"plain": torch_peak_bytes(plain, existing, device)}
     calls = {"plain": plain}
     for s in segments:
         zero()
-        peaks[f"torch {s} segments"] = memento.torch.peak_bytes(torch_seg(s), existing)
+        peaks[f"torch {s} segments"] = torch_peak_bytes(torch_seg(s), existing, device)
         calls[f"torch {s} segments"] = torch_seg(s)
     # memento's measured peak on a grid of byte budgets (each planned once, cached).
     grid = {}
@@ -98,7 +117,7 @@ def bench(name, net, x, segments, repeats):
         except ValueError:
             continue
         zero()
-        grid[memory] = memento.torch.peak_bytes(ours(memory), existing)
+        grid[memory] = torch_peak_bytes(ours(memory), existing, device)
     matched = {}
     for s in segments:
         target = peaks[f"torch {s} segments"]
@@ -108,7 +127,9 @@ def bench(name, net, x, segments, repeats):
             matched[s] = best
             calls[f"memento = torch {s}"] = ours(best)
             peaks[f"memento = torch {s}"] = grid[best]
-    times = warm_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
+    times = warm_round_robin(
+        {n: torch_synced(lambda c=c: (zero(), c()), device) for n, c in calls.items()}, repeats
+    )
     rows = {}
     for n in calls:
         rows[n] = {
@@ -142,24 +163,36 @@ def bench(name, net, x, segments, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    gpu = args.device.startswith("cuda")
+    print(f"torch {torch.__version__}, device {args.device}", flush=True)
+    if gpu:
+        print(f"GPU: {torch.cuda.get_device_name(torch.device(args.device))}", flush=True)
+    else:
+        torch.set_num_threads(1)
+    out = Path(args.out) if args.out else (RESULTS_GPU if gpu else RESULTS)
     torch.manual_seed(0)
     runs = []
     for name, build in (("resnet", resnet), ("transformer", transformer)):
         net, x = build()
-        runs.append(bench(name, net, x, (2, 3, 5), args.repeats))
+        net, x = net.to(args.device), x.to(args.device)
+        runs.append(bench(name, net, x, (2, 3, 5), args.repeats, args.device))
     write_json(
-        RESULTS,
+        out,
         {
             "machine": machine(),
-            "torch": torch_info(),
-            "memory": "peak live tensor bytes (memento.torch.peak_bytes)",
+            "torch": torch_device_info(args.device),
+            "memory": "torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), "
+            "above the bytes allocated before the run"
+            if gpu
+            else "peak live tensor bytes (memento.torch.peak_bytes)",
             "not_compared": "Rotor and Rockmate: not installed on this machine",
             "runs": runs,
         },
     )
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

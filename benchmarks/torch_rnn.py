@@ -9,31 +9,48 @@ on CPU, forward and backward of ``loss = h_T.sum()``.
 
 Memory: peak live tensor bytes during the forward and backward pass, above the inputs
 and parameters (``memento.torch.LiveBytes``: a dispatch mode that counts every storage an
-operation creates until it is freed). memento's budget is that fraction of plain
+operation creates until it is freed); with ``--device cuda``,
+``torch.cuda.max_memory_allocated()`` after ``torch.cuda.reset_peak_memory_stats()``, less
+what was allocated before the run (issue 22). memento's budget is that fraction of plain
 autograd's measured peak, in bytes (``memory="...B"``). Time: median of round-robin runs,
-one thread.
+one thread on CPU; on a GPU each run is bracketed by ``torch.cuda.synchronize()``.
 Also the paper's headline (Gruslys et al. 2016): t = 1000 at 5% memory, about 1.33x the
 time of plain BPTT. ``floor``: plain autograd followed by as many extra ``no_grad``
 steps as memento's plan recomputes (``cost - T``), the time of the plan's recomputation
 with no executor around it (its memory is plain autograd's; ignore that column).
 
     python benchmarks/torch_rnn.py [--steps 4096] [--batch 16] [--hidden 64] [--repeats 5]
+    python benchmarks/torch_rnn.py --device cuda --steps 1000 --batch 128 --hidden 1024 --no-headline
+
+Writes benchmarks/results/torch_rnn.json, or benchmarks/results/gpu/torch_rnn.json on a
+GPU (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # _common imports jax: keep it off the GPU
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import memento.planning
 import memento.torch
-from _common import machine, torch_info, warm_round_robin, write_json
+from _common import (
+    machine,
+    torch_device_info,
+    torch_peak_bytes,
+    torch_synced,
+    warm_round_robin,
+    write_json,
+)
 
 RESULTS = Path(__file__).parent / "results" / "torch_rnn.json"
+RESULTS_GPU = Path(__file__).parent / "results" / "gpu" / "torch_rnn.json"
 
 
 def methods(cell, xs, h0, fractions, plain_peak):
@@ -95,11 +112,11 @@ def methods(cell, xs, h0, fractions, plain_peak):
     return out, budgets, step
 
 
-def bench(steps, batch, hidden, fractions, repeats):
+def bench(steps, batch, hidden, fractions, repeats, device="cpu"):
     torch.manual_seed(0)
-    cell = torch.nn.LSTMCell(hidden, hidden)
-    xs = torch.randn(steps, batch, hidden)
-    h0 = (torch.zeros(batch, hidden), torch.zeros(batch, hidden))
+    cell = torch.nn.LSTMCell(hidden, hidden, device=device)
+    xs = torch.randn(steps, batch, hidden, device=device)
+    h0 = (torch.zeros(batch, hidden, device=device), torch.zeros(batch, hidden, device=device))
     existing = [xs, *h0, *cell.parameters()]
 
     def zero():
@@ -108,7 +125,7 @@ def bench(steps, batch, hidden, fractions, repeats):
 
     calls, budgets, step = methods(cell, xs, h0, fractions, 1)  # plain first, to size budgets
     zero()
-    plain_peak = memento.torch.peak_bytes(calls["plain"], existing)
+    plain_peak = torch_peak_bytes(calls["plain"], existing, device)
     calls, budgets, step = methods(cell, xs, h0, fractions, plain_peak)
     rows = {}
     for name, call in calls.items():
@@ -116,7 +133,7 @@ def bench(steps, batch, hidden, fractions, repeats):
         rows[name] = {
             "peak_bytes": plain_peak
             if name == "plain"
-            else memento.torch.peak_bytes(call, existing)
+            else torch_peak_bytes(call, existing, device)
         }
         if name in budgets:
             s = memento.torch.scan_schedule(step, h0, xs, memory=budgets[name])
@@ -129,7 +146,9 @@ def bench(steps, batch, hidden, fractions, repeats):
                 # one torch.autograd.grad per run of backward steps
                 grad_calls=int(steps - memento.planning.backward_runs(s).sum()),
             )
-    times = warm_round_robin({n: (lambda c=c: (zero(), c())) for n, c in calls.items()}, repeats)
+    times = warm_round_robin(
+        {n: torch_synced(lambda c=c: (zero(), c()), device) for n, c in calls.items()}, repeats
+    )
     for name, row in rows.items():
         row["time_s"] = times[name]
         row["memory_ratio"] = row["peak_bytes"] / plain_peak
@@ -139,7 +158,7 @@ def bench(steps, batch, hidden, fractions, repeats):
             f"({row['memory_ratio']:6.1%})  time {times[name]:7.3f} s ({row['time_ratio']:.2f}x)",
             flush=True,
         )
-    return {"steps": steps, "batch": batch, "hidden": hidden, "methods": rows}
+    return {"steps": steps, "batch": batch, "hidden": hidden, "device": device, "methods": rows}
 
 
 def main(argv=None):
@@ -148,22 +167,33 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
+    parser.add_argument("--no-headline", action="store_true", help="skip the T=1000 run")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # a shared machine: one thread each, steadier times
-    runs = [
-        bench(args.steps, args.batch, args.hidden, (0.05, 0.25), args.repeats),
-        bench(1000, args.batch, args.hidden, (0.05,), args.repeats),  # the paper's headline
-    ]
+    gpu = args.device.startswith("cuda")
+    print(f"torch {torch.__version__}, device {args.device}", flush=True)
+    if gpu:
+        print(f"GPU: {torch.cuda.get_device_name(torch.device(args.device))}", flush=True)
+    else:
+        torch.set_num_threads(1)  # a shared machine: one thread each, steadier times
+    out = Path(args.out) if args.out else (RESULTS_GPU if gpu else RESULTS)
+    runs = [bench(args.steps, args.batch, args.hidden, (0.05, 0.25), args.repeats, args.device)]
+    if not args.no_headline:  # the paper's headline
+        runs.append(bench(1000, args.batch, args.hidden, (0.05,), args.repeats, args.device))
     write_json(
-        RESULTS,
+        out,
         {
             "machine": machine(),
-            "torch": torch_info(),
-            "memory": "peak live tensor bytes (memento.torch.peak_bytes)",
+            "torch": torch_device_info(args.device),
+            "memory": "torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), "
+            "above the bytes allocated before the run"
+            if gpu
+            else "peak live tensor bytes (memento.torch.peak_bytes)",
             "runs": runs,
         },
     )
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
