@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One bounded GPU session (issues 20, 22, 24): run from the repository root as
+#
+#     OUT=/some/folder bash benchmarks/gpu_session.sh
+#
+# on a machine with one NVIDIA GPU, Python 3 with jax[cuda], torch (CUDA), equinox,
+# pytest (pytest-xdist if present). memento need not be installed: src/ is put on
+# PYTHONPATH. Every part runs under `timeout`; the caps sum to 330 s:
+#
+#   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   90 s
+#   (b) benchmarks/offload.py (device peak, host bytes, time, xla#46231 canary)       50 s
+#   (c) benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
+#   (d) benchmarks/gpu_rnn.py --time-budget                                          120 s
+#
+# Writes, flat in $OUT: session.log (everything printed), offload.json, torch_rnn.json,
+# torch_chain.json, gpu_rnn.json (also under benchmarks/results/gpu/). One part failing
+# does not stop the others.
+#
+# GPU_SESSION_QUICK=1: tiny sizes on whatever device there is (CPU here), results in a
+# temporary folder, to check that every part starts.
+
+set -u
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+QUICK=${GPU_SESSION_QUICK:-0}
+OUT=${OUT:-$(mktemp -d /tmp/gpu_session.XXXXXX)}
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+: >"$LOG"
+if [ "$QUICK" = 1 ]; then
+    RES=$(mktemp -d /tmp/gpu_session_results.XXXXXX)
+else
+    RES=benchmarks/results/gpu
+fi
+mkdir -p "$RES"
+
+say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
+# part NAME SECONDS COMMAND...: runs COMMAND under timeout, output tee'd into the log.
+part() {
+    local name=$1 cap=$2
+    shift 2
+    local cmd="$*"
+    say "$name (cap ${cap} s): ${cmd:0:240}"
+    local start=$SECONDS
+    timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
+}
+collect() {
+    for f in offload.json torch_rnn.json torch_chain.json gpu_rnn.json; do
+        [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
+    done
+}
+
+say "memento GPU session; OUT=$OUT; quick=$QUICK; commit $(git rev-parse --short HEAD 2>/dev/null)"
+(nvidia-smi -L || echo "nvidia-smi: not available") 2>&1 | tee -a "$LOG"
+part versions 30 "$PY" -c '
+import sys, jax, jaxlib
+print("python", sys.version.split()[0], "| jax", jax.__version__, "| jaxlib", jaxlib.__version__)
+try:
+    import torch
+    print("torch", torch.__version__, "| cuda", torch.version.cuda,
+          "| available", torch.cuda.is_available())
+except Exception as e:
+    print("torch: not importable:", e)
+for m in ("equinox", "optax", "diffrax", "xdist", "pytest_timeout"):
+    try:
+        mod = __import__(m)
+        print(m, getattr(mod, "__version__", "present"))
+    except Exception as e:
+        print(m, "missing:", type(e).__name__)
+print("jax.devices():", jax.devices())
+'
+
+# (a) the scan tests on the GPU. They need none of the packages the GPU machine lacks
+# (checkpoint_schedules, beartype): nothing is deselected. Each xdist worker is a process
+# of its own on the one GPU, so none may preallocate its memory.
+XDIST=()
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
+TESTS=(tests/loops/test_scan.py tests/loops/test_scan_recursion.py tests/loops/test_scan_host.py)
+if [ "$QUICK" = 1 ]; then
+    XDIST=(); TESTS=(tests/loops/test_scan_host.py -k "host_stores or vmap_jit")
+fi
+part pytest 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    "$PY" -m pytest -o addopts="" -q -x -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}"
+
+# (b) host offload at equal device memory, with the canary for openxla/xla#46231.
+if [ "$QUICK" = 1 ]; then
+    part offload 50 "$PY" benchmarks/offload.py --quick --isolate --fracs 0.2 \
+        --time-budget 40 --out "$RES/offload.json"
+else
+    part offload 50 "$PY" benchmarks/offload.py --isolate --fracs 0.05,0.2 \
+        --time-budget 40 --case-timeout 35 --out "$RES/offload.json"
+fi
+collect
+
+# (c) memento.torch on CUDA (torch there may be older than pyproject's floor: printed).
+if [ "$QUICK" = 1 ]; then
+    TDEV=cpu; RNN=(--steps 64 --batch 4 --hidden 8); CHAIN=(--repeats 1)
+else
+    TDEV=cuda; RNN=(--steps 1000 --batch 128 --hidden 1024); CHAIN=(--repeats 5)
+fi
+part torch_rnn 40 "$PY" benchmarks/torch_rnn.py --device "$TDEV" "${RNN[@]}" --no-headline \
+    --repeats 5 --out "$RES/torch_rnn.json"
+part torch_chain 30 "$PY" benchmarks/torch_chain.py --device "$TDEV" "${CHAIN[@]}" \
+    --out "$RES/torch_chain.json"
+collect
+
+# (d) the LSTM benchmark; its own budget stops new cases 20 s before the cap.
+if [ "$QUICK" = 1 ]; then
+    part gpu_rnn 120 "$PY" benchmarks/gpu_rnn.py --quick --steps 100 --memento 5 \
+        --time-budget 60 --out "$RES/gpu_rnn.json"
+else
+    part gpu_rnn 120 "$PY" benchmarks/gpu_rnn.py --steps 1000,10000 --time-budget 100 \
+        --case-timeout 45 --out "$RES/gpu_rnn.json"
+fi
+collect
+
+say "done; files in $OUT:"
+ls -la "$OUT" | tee -a "$LOG"
