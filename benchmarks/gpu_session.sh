@@ -91,7 +91,7 @@ if [ "$QUICK" = 1 ]; then
         --time-budget 40 --out "$RES/offload.json"
 else
     part offload 50 "$PY" benchmarks/offload.py --isolate --fracs 0.05,0.2 \
-        --time-budget 40 --case-timeout 35 --out "$RES/offload.json"
+        --time-budget 45 --case-timeout 28 --out "$RES/offload.json"
 fi
 collect
 

@@ -272,9 +272,10 @@ def isolated(a, argv) -> None:
             path = Path(tmp) / "case.json"
             cmd = [sys.executable, __file__, *rest, "--cases", name, "--out", str(path)]
             if a.time_budget is not None:
-                cmd += ["--time-budget", str(max(left - 20, 1))]
+                # no new budget in the last 12 s: lax.scan's reference and the JSON follow
+                cmd += ["--time-budget", str(max(min(left, a.case_timeout) - 12, 1))]
             try:
-                proc = subprocess.run(cmd, timeout=min(left + 5, a.case_timeout), env=os.environ)
+                proc = subprocess.run(cmd, timeout=min(left + 3, a.case_timeout), env=os.environ)
                 error = None if path.exists() else f"exit {proc.returncode}"
             except subprocess.TimeoutExpired:
                 error = "timeout"
