@@ -7,10 +7,11 @@
 # pytest (pytest-xdist if present). memento need not be installed: src/ is put on
 # PYTHONPATH. Every part runs under `timeout`; the caps sum to 330 s:
 #
-#   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   90 s
+#   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   80 s
 #   (b) benchmarks/offload.py (device peak, host bytes, time, xla#46231 canary)       50 s
-#   (c) benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
-#   (d) benchmarks/gpu_rnn.py --time-budget                                          120 s
+#   (c) tests/pytorch/test_torch_device.py (memento.torch on CUDA)                    20 s
+#       benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
+#   (d) benchmarks/gpu_rnn.py --time-budget                                          110 s
 #
 # Writes, flat in $OUT: session.log (everything printed), offload.json, torch_rnn.json,
 # torch_chain.json, gpu_rnn.json (also under benchmarks/results/gpu/). One part failing
@@ -82,7 +83,7 @@ TESTS=(tests/loops/test_scan.py tests/loops/test_scan_recursion.py tests/loops/t
 if [ "$QUICK" = 1 ]; then
     XDIST=(); TESTS=(tests/loops/test_scan_host.py -k "host_stores or vmap_jit")
 fi
-part pytest 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+part pytest 80 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
     "$PY" -m pytest -o addopts="" -q -x -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}"
 
 # (b) host offload at equal device memory, with the canary for openxla/xla#46231.
@@ -101,6 +102,8 @@ if [ "$QUICK" = 1 ]; then
 else
     TDEV=cuda; RNN=(--steps 1000 --batch 128 --hidden 1024); CHAIN=(--repeats 5)
 fi
+part torch_tests 20 "$PY" -m pytest -o addopts="" -q -p no:cacheprovider -rs \
+    tests/pytorch/test_torch_device.py
 part torch_rnn 40 "$PY" benchmarks/torch_rnn.py --device "$TDEV" "${RNN[@]}" --no-headline \
     --repeats 5 --out "$RES/torch_rnn.json"
 part torch_chain 30 "$PY" benchmarks/torch_chain.py --device "$TDEV" "${CHAIN[@]}" \
@@ -109,10 +112,10 @@ collect
 
 # (d) the LSTM benchmark; its own budget stops new cases 20 s before the cap.
 if [ "$QUICK" = 1 ]; then
-    part gpu_rnn 120 "$PY" benchmarks/gpu_rnn.py --quick --steps 100 --memento 5 \
+    part gpu_rnn 110 "$PY" benchmarks/gpu_rnn.py --quick --steps 100 --memento 5 \
         --time-budget 60 --out "$RES/gpu_rnn.json"
 else
-    part gpu_rnn 120 "$PY" benchmarks/gpu_rnn.py --steps 1000,10000 --time-budget 100 \
+    part gpu_rnn 110 "$PY" benchmarks/gpu_rnn.py --steps 1000,10000 --time-budget 90 \
         --case-timeout 45 --out "$RES/gpu_rnn.json"
 fi
 collect
