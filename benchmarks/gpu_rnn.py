@@ -215,7 +215,8 @@ def probe(a) -> dict:
     out["input_bytes_per_step"] = a.batch * a.input * 4
     out["param_bytes"] = 4 * (a.input + a.hidden + 1) * 4 * a.hidden
     out["backend"] = jax.default_backend()
-    out["devices"] = [str(d) for d in jax.devices()]
+    out["devices"] = [f"{d} ({d.device_kind})" for d in jax.devices()]
+    out["jax"] = jax.__version__
     return out
 
 
@@ -303,7 +304,8 @@ def table_order(row: dict) -> tuple:
 def markdown(out: dict) -> str:
     lines = [
         f"LSTM hidden {out['hidden']}, batch {out['batch']}, input {out['input']}, float32; "
-        f"device: {', '.join(out['probe'].get('devices', []))}; peak = device "
+        f"device: {', '.join(out['probe'].get('devices', []))}, jax "
+        f"{out['probe'].get('jax')}; peak = device "
         "peak_bytes_in_use (each case its own process); ratios against lax.scan at that T.",
         "",
         "| T | method | kept | peak MiB | peak/lax | temp MiB | temp/lax | first s "
