@@ -806,16 +806,12 @@ def _stack(n, num_slots, row_pos, row_slot, row_store):
         return jnp.zeros(size, jnp.int32), jnp.full(size, -1, jnp.int32), jnp.int32(0)
     pos, slot = jnp.asarray(row_pos), jnp.asarray(row_slot)
     time = jnp.arange(len(row_pos), dtype=jnp.int32)
-    live = pos < n
-    last_store = jax.ops.segment_max(
-        jnp.where(live & row_store, time, -1), slot, num_segments=num_slots
-    )
-    last_free = jax.ops.segment_max(
-        jnp.where(live & ~row_store, time, -1), slot, num_segments=num_slots
-    )
-    held = last_store > last_free
+    # A slot holds a carry if its last event before position n is a store. (One
+    # segment_max: XLA materialises its input, an array as long as the event table.)
+    last = jax.ops.segment_max(jnp.where(pos < n, time, -1), slot, num_segments=num_slots)
+    held = (last >= 0) & jnp.asarray(row_store)[jnp.maximum(last, 0)]
     big = jnp.iinfo(jnp.int32).max
-    where = jnp.where(held, pos[jnp.maximum(last_store, 0)], big)
+    where = jnp.where(held, pos[jnp.maximum(last, 0)], big)
     order = jnp.argsort(where).astype(jnp.int32)
     stack_pos = jnp.concatenate([jnp.zeros(1, jnp.int32), where[order]])
     stack_slot = jnp.concatenate([jnp.full(1, -1, jnp.int32), order])
