@@ -548,7 +548,8 @@ def test_nested_writes_keep_no_buffer_per_step():
         return jnp.sum(out[3] ** 2)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, big).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < 4 * big.nbytes
+    # Measured: 1.07 buffers (the same writes made by the step itself: 2.05).
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * big.nbytes
 
 
 def test_nested_loop_misuse_of_buffers_is_refused():

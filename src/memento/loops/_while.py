@@ -118,9 +118,12 @@ def while_loop(
             A `memento.while_loop` nested in ``body_fun`` may write them too, as
             Equinox's nested loops may, by naming them among its own ``buffers``: a
             number of writes per step known only at run time (Diffrax's save loop). Its
-            ``cond_fun`` may not read them (a ``TypeError``), and the enclosing loop's
-            backward pass differentiates the nested loop's writes in place, with no copy
-            of the buffer per step but the cotangent it already keeps.
+            ``cond_fun`` may not read them (a ``TypeError``). The steps take the
+            buffer and return it whole, so no copy is kept per step or per slot (a
+            900-step loop writing 2 rows a step into a 2000-row buffer: 1.07 buffers of
+            temporary memory); XLA may still copy the cotangent inside the nested loop's
+            backward pass (one output-sized array more than Diffrax's own adjoint on a
+            32-state solve).
         return_truncated: if True, return ``(final, truncated)``, where ``truncated`` is
             a bool scalar (one per member under ``vmap``): True when the loop stopped
             because it took ``max_steps`` steps while ``cond_fun`` still held, so the
