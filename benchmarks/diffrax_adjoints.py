@@ -234,9 +234,17 @@ def speed_cases(repeats: int, fixed_steps: int, only: str = "") -> list[dict]:
             calls[method] = functools.partial(compiled, *args)
         times = _common.time_round_robin(calls, repeats=repeats)
         m, r = _common.median(times["memento"]), _common.median(times["rca"])
-        rows.append({"case": name, "slots": slots, "memento_s": m, "rca_s": r, "ratio": m / r})
+        # The spread on a loaded machine: each round's ratio (the two ran back to back),
+        # and the ratio of the fastest runs.
+        rounds = sorted(a / b for a, b in zip(times["memento"], times["rca"]))
+        rows.append({
+            "case": name, "slots": slots, "memento_s": m, "rca_s": r, "ratio": m / r,
+            "round_ratios_min_median_max": [rounds[0], _common.median(rounds), rounds[-1]],
+            "ratio_of_fastest": min(times["memento"]) / min(times["rca"]),
+        })  # fmt: skip
         print(
-            f"speed {name:40s} ratio {m / r:.2f} ({m:.4f} s / {r:.4f} s)",
+            f"speed {name:40s} ratio {m / r:.2f} ({m:.4f} s / {r:.4f} s); rounds "
+            f"{rounds[0]:.2f}..{rounds[-1]:.2f}, fastest {rows[-1]['ratio_of_fastest']:.2f}",
             file=sys.stderr,
             flush=True,
         )

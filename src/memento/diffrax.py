@@ -11,20 +11,16 @@ passed. Both have Equinox's signature (``cond_fun, body_fun, init_val, max_steps
 buffers``), and ``buffers`` names the output arrays (``SaveAt``'s ``ts`` and ``ys``) that
 the loop only writes to.
 
-The outer loop is `memento.while_loop` with those buffers, so the saved outputs take no
-checkpoint slots. Inside its body the buffers are write-only stand-ins that record a
-fixed list of writes per step, while the inner loop writes a number of rows known only
-at run time. So the inner loop (also a `memento.while_loop`, on a few
-slots of its small carry) writes into a per-step log of ``saves_per_step`` rows
-(``len(ts)`` by default), ``(index, value)`` pairs with unused rows pointing at one extra
-row appended to each buffer, and the step then writes the whole log to the stand-in at
-once: ``buf.at[index].set(values)``. The extra
-row is cut off after the loop; it takes many writes, but as it never reaches the result
-its cotangent is zero, so each of those writes gets a zero cotangent, as it should.
+Both are `memento.while_loop`s. The outer one has those buffers, so the saved outputs
+take no checkpoint slots. The inner one names the same buffers as its own: a loop nested
+in a `memento.while_loop` body writes the enclosing loop's buffers (each save time once,
+as Diffrax does), with no copy of them per step, and it keeps its small carry (a few
+indices) in a few slots of its own.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 try:
@@ -33,11 +29,9 @@ except ImportError as e:  # pragma: no cover - exercised only without diffrax
     raise ImportError('memento.diffrax needs Diffrax: pip install "memento-jax[diffrax]"') from e
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .loops import Buffer as _StandIn, Bytes, parse_memory, while_loop
+from .loops import Bytes, parse_memory, while_loop
 
 __all__ = ["CheckpointAdjoint"]
 
@@ -66,12 +60,9 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             (``"64MiB"``, ``memento.bytes_budget(n)``), or ``None`` to keep every step's
             state (needs ``diffeqsolve(..., max_steps=...)``). Under ``vmap`` sizes are
             those of one batch member.
-        saves_per_step: the most ``SaveAt(ts=...)`` times one solver step may pass, or
-            ``None`` (the default) for ``len(ts)``, always enough. Each step writes its
-            saved outputs as one block of this many rows, so a small value (e.g. 1 or 2
-            when steps are no longer than the spacing of ``ts``) saves time and memory
-            when ``ts`` is long; a step that passes more raises an error at run time
-            (``equinox.error_if``) rather than save wrong values.
+        saves_per_step: deprecated, and has no effect (a ``DeprecationWarning``): the
+            save loop writes the outputs in place, as many rows as each step passes.
+            It bounded the rows of a per-step log before; it will be removed.
 
     Raises:
         TypeError, ValueError: a ``memory`` that is not a budget (at construction).
@@ -88,12 +79,10 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         checkpointed online. ``RecursiveCheckpointAdjoint`` needs ``checkpoints=`` for
         that; with its default it refuses to backpropagate.
 
-        With ``SaveAt(ts=...)`` each step writes a block of ``saves_per_step`` rows of
-        outputs (those it did not pass go to a discarded row). With the default
-        (``len(ts)`` rows), time per step grows with the size of the whole output, and
-        the gradient's temporary memory holds about two more output-sized arrays than
-        ``RecursiveCheckpointAdjoint`` with as many checkpoints (measured with 200 save
-        times, ``tests/test_diffrax.py``); a small ``saves_per_step`` removes both.
+        ``SaveAt(ts=...)``: each step runs Diffrax's save loop, a `memento.while_loop`
+        nested in the step loop's body, which writes the times the step passed into
+        the outputs (buffers of both loops); the backward pass recomputes its few
+        interpolations from 4 slots of its integer carry.
 
         Supported Diffrax versions: those of the ``memento-jax[diffrax]`` extra (0.7.x;
         tested with 0.7.2, also under Diffrax's own runtime type checks, jaxtyping with
@@ -118,8 +107,15 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         n = self.saves_per_step
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(
-                f"{_NAME}: saves_per_step must be None or an int >= 1, got {n!r}; pass the "
-                "most SaveAt(ts=...) times one solver step can pass, or None."
+                f"{_NAME}: saves_per_step must be None or an int >= 1, got {n!r}; it is "
+                "deprecated and has no effect: leave it out."
+            )
+        if n is not None:
+            warnings.warn(
+                f"{_NAME}: saves_per_step is deprecated and has no effect (the save loop "
+                "writes the outputs in place, as many rows as a step passes); leave it out.",
+                DeprecationWarning,
+                stacklevel=3,
             )
 
     def loop(
@@ -143,7 +139,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             saveat=saveat,
             init_state=init_state,
             max_steps=max_steps,
-            inner_while_loop=_inner_loop(self.saves_per_step),
+            inner_while_loop=_inner_loop,
             outer_while_loop=_outer_loop(self.memory),
             **kwargs,
         )
@@ -166,154 +162,28 @@ def _check(terms, saveat, max_steps, memory) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# The outer loop: the solver's steps
+# The two loops: the solver's steps, and inside each the SaveAt(ts=...) times it passed
 
 
 def _outer_loop(memory) -> Callable:
     def outer_while_loop(cond_fun, body_fun, init_val, *, max_steps, buffers):
-        # One extra row per buffer, the target of the log rows a step does not use.
-        padded = _map_buffers(init_val, buffers, lambda b: jnp.concatenate([b, b[:1]]))
-        final = while_loop(
-            cond_fun, body_fun, padded, max_steps=max_steps, memory=memory, buffers=buffers
+        return while_loop(
+            cond_fun, body_fun, init_val, max_steps=max_steps, memory=memory, buffers=buffers
         )
-        return _map_buffers(final, buffers, lambda b: b[:-1])
 
     return outer_while_loop
 
 
-def _map_buffers(tree, buffers, fn):
-    """``tree`` with ``fn`` applied to the leaves that ``buffers(tree)`` returns."""
-    leaves, treedef = jtu.tree_flatten(tree)
-    chosen = jtu.tree_leaves(buffers(tree))
-    return jtu.tree_unflatten(
-        treedef, [fn(x) if any(x is c for c in chosen) else x for x in leaves]
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# The inner loop: the SaveAt(ts=...) times one step passed
-
-
-@jtu.register_pytree_node_class
-class _Log(jax.Array):
-    """The writes of one inner loop to one buffer: rows ``values[:count]`` at ``index``.
-
-    Inside the inner `memento.while_loop`, ``values`` and ``index`` are that loop's own
-    write-only buffers: row ``count`` of each is written once per write. It stands for
-    the outer buffer in Diffrax's save loop, so it has that buffer's shape and dtype and
-    is a ``jax.Array`` by type (Diffrax's ``SaveState`` annotations check both), as
-    `memento.loops.Buffer` is; it can only be written.
-    """
-
-    def __init__(self, values, index, count, shape=None):
-        self.values, self.index, self.count = values, index, count
-        self._shape = shape
-
-    shape = property(lambda self: self._shape)
-    dtype = property(lambda self: self.values.dtype)
-    ndim = property(lambda self: len(self._shape))
-
-    def __getitem__(self, index):
-        raise TypeError(f"{_NAME}: the save times' outputs are write-only inside the solve.")
-
-    @property
-    def aval(self):
-        self[()]
-
-    @classmethod
-    def empty(cls, buffer: _StandIn, capacity: int) -> _Log:
-        trash = buffer.shape[0] - 1  # the extra row of `_outer_loop`
-        values = jnp.zeros((capacity, *buffer.shape[1:]), buffer.dtype)
-        return cls(values, jnp.full(capacity, trash, jnp.int32), jnp.int32(0), buffer.shape)
-
-    @property
-    def at(self):
-        return _LogAt(self)
-
-    def tree_flatten(self):
-        return (self.values, self.index, self.count), self._shape
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children, shape=aux)
-
-
-class _LogAt:
-    def __init__(self, log: _Log):
-        self.log = log
-
-    def __getitem__(self, index):
-        log = self.log
-
-        class _Set:
-            @staticmethod
-            def set(value):
-                return _Log(
-                    log.values.at[log.count].set(value),
-                    log.index.at[log.count].set(jnp.asarray(index, jnp.int32)),
-                    log.count + 1,
-                    log.shape,
-                )
-
-        return _Set
-
-
-def _is_log(x) -> bool:
-    return isinstance(x, _Log)
-
-
 # Slots of the inner loop, whose carry is a few integers: every carry is kept up to 3
 # saves in one step; beyond, the online policy recomputes interpolations, which are cheap
-# next to a solver step. (Keeping all ``len(ts) + 1`` carries cost 10 KB of the 31 KB of a
-# 200-time solve's gradient, for nothing in the usual case of a save or two per step.)
+# next to a solver step.
 _INNER_SLOTS = 4
 
 
-def _inner_loop(saves_per_step: int | None) -> Callable:
-    def inner_while_loop(cond_fun, body_fun, init_val, *, max_steps, buffers, checkpoints=None):
-        """Diffrax's inner loop: at most ``max_steps`` writes to the outer loop's buffers."""
-        del checkpoints
-        leaves, treedef = jtu.tree_flatten(init_val)
-        chosen = jtu.tree_leaves(buffers(init_val))
-        is_buffer = [any(x is c for c in chosen) for x in leaves]
-        if not any(isinstance(x, _StandIn) for x in chosen):
-            # Outside the outer loop (Diffrax traces a step for its output structure):
-            # the buffers are arrays, written in place.
-            return while_loop(
-                cond_fun, body_fun, init_val, max_steps=max_steps, memory=None, buffers=buffers
-            )
-        capacity = max_steps if saves_per_step is None else min(saves_per_step, max_steps)
-        stand_ins = [x for x, b in zip(leaves, is_buffer) if b]
-        logged = [_Log.empty(x, capacity) if b else x for x, b in zip(leaves, is_buffer)]
-
-        def log_buffers(c):
-            return [(x.values, x.index) for x in jtu.tree_leaves(c, is_leaf=_is_log) if _is_log(x)]
-
-        final, full = while_loop(
-            cond_fun,
-            body_fun,
-            jtu.tree_unflatten(treedef, logged),
-            max_steps=capacity,
-            memory=_INNER_SLOTS,
-            buffers=log_buffers,
-            return_truncated=True,
-        )
-        out = jtu.tree_leaves(final, is_leaf=_is_log)
-        logs = [x for x in out if _is_log(x)]
-        if capacity < max_steps:
-            # A step that passed more save times than the log holds would leave the rest
-            # to the next step, which would extrapolate them: refuse it instead. (On every
-            # buffer's values: a check is dropped with the outputs it is threaded on.)
-            values = eqx.error_if(
-                [log.values for log in logs],
-                full,
-                f"{_NAME}: a solver step passed more than saves_per_step={saves_per_step} "
-                "of the SaveAt(ts=...) times; raise saves_per_step, or leave it None "
-                "(room for every time).",
-            )
-            logs = [_Log(v, log.index, log.count, log.shape) for v, log in zip(values, logs)]
-        # Each stand-in takes its log in one write: the rows used, and the extra row.
-        written = iter(s.at[log.index].set(log.values) for s, log in zip(stand_ins, logs))
-        return jtu.tree_unflatten(treedef, [next(written) if _is_log(x) else x for x in out])
-
-    return inner_while_loop
+def _inner_loop(cond_fun, body_fun, init_val, *, max_steps, buffers, checkpoints=None):
+    """Diffrax's save loop: it writes the outer loop's buffers (nested writes of
+    `memento.while_loop`), or, outside the outer loop, arrays."""
+    del checkpoints
+    return while_loop(
+        cond_fun, body_fun, init_val, max_steps=max_steps, memory=_INNER_SLOTS, buffers=buffers
+    )

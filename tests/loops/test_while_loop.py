@@ -1,5 +1,6 @@
 """memento.while_loop against the unrolled loop: values, gradients, counts, program size."""
 
+import functools
 import json
 import re
 import warnings
@@ -423,6 +424,163 @@ def test_reading_a_buffer_in_the_body_is_refused():
             lambda s: s[0] < 3, body, (0, h0, jnp.zeros((4, H))), max_steps=4, memory=2,
             buffers=lambda s: jnp.zeros(3),
         )  # fmt: skip
+
+
+# ------------------------------------------------ buffers written by a nested loop
+
+ROWS = 30
+
+
+def put(buf, i, v, pred):
+    """``buf.at[i].set(v, pred=pred)`` on a buffer, its meaning on an array."""
+    if isinstance(buf, memento.loops.Buffer):
+        return buf.at[i].set(v, pred=pred)
+    return buf.at[i].set(jnp.where(pred, v, buf[i]))
+
+
+def nested_saving_loss(w, b, h0, buf0, *, steps, memory=None, inner_memory=None, n=9):
+    """Step k writes ``k % 4`` rows (0 to 3, a number known at run time) from a nested
+    loop, one of them under a predicate, with plain writes before and after it; with
+    ``steps`` None, the same unrolled in Python (the reference)."""
+
+    def rows(k, h, j, buf, loop):
+        def inner(t):
+            i, j, buf = t
+            v = h * (i + 1.0) + b
+            return i + 1, j + 1, put(buf, j, v, (i != 2) | (k != 7))
+
+        return loop(lambda t: t[0] < k % 4, inner, (0, j, buf))[1:]
+
+    def body(s, loop):
+        k, h, j, buf = s
+        h = jnp.tanh(w @ h + b)
+        buf = put(buf, ROWS - 1 - k, 2.0 * h, k < 3)  # before the nested loop
+        j, buf = rows(k, h, j, buf, loop)
+        buf = put(buf, ROWS - 4 - k, -h, k == 5)  # after it, on its writes
+        return k + 1, h, j, buf
+
+    init = (0, h0, 0, buf0)
+    if steps is None:
+
+        def python_loop(cond, f, t):
+            while cond(t):
+                t = f(t)
+            return t
+
+        s = init
+        while s[0] < n:
+            s = body(s, python_loop)
+    else:
+
+        def memento_inner(cond, f, t):
+            return memento.while_loop(
+                cond, f, t, max_steps=3, memory=inner_memory, buffers=lambda t: t[2]
+            )
+
+        s = memento.while_loop(
+            lambda s: s[0] < n, lambda s: body(s, memento_inner), init, max_steps=steps,
+            memory=memory, buffers=lambda s: s[3],
+        )  # fmt: skip
+    _, h, j, buf = s
+    weights = jnp.arange(1.0, 1.0 + buf.size).reshape(buf.shape) / buf.size
+    return jnp.sum(jnp.sin(buf) * weights) + jnp.sum(h**2) + j
+
+
+@pytest.mark.parametrize("memory", [1, 3, None])
+@pytest.mark.parametrize("inner_memory", [1, None])
+def test_nested_loop_writes_the_buffers(memory, inner_memory):
+    # Buffers written by a memento.while_loop in the body, 0 to 3 rows a step, mixed with
+    # the step's own writes: values and gradients (w, b, h0 and the buffer's unwritten
+    # rows) equal the unrolled loop's.
+    w, b, h0 = params()
+    buf0 = jnp.full((ROWS, H), 0.5)
+    grad = jax.grad(nested_saving_loss, argnums=(0, 1, 2, 3))
+    ref = grad(w, b, h0, buf0, steps=None)
+    for n in (0, 1, 9):
+        kw = dict(steps=12, memory=memory, inner_memory=inner_memory, n=n)
+        ours = jax.jit(functools.partial(grad, **kw))(w, b, h0, buf0)
+        ref = grad(w, b, h0, buf0, steps=None, n=n)
+        for a, r in zip(ours, ref, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            nested_saving_loss(w, b, h0, buf0, **kw),
+            nested_saving_loss(w, b, h0, buf0, steps=None, n=n), rtol=1e-14,
+        )  # fmt: skip
+
+
+def test_nested_loop_writes_under_vmap():
+    # Members take different numbers of outer steps; a stopped member writes nothing.
+    w, b, h0 = params()
+    buf0 = jnp.full((ROWS, H), 0.5)
+    ns = jnp.array([4, 9, 0])
+
+    def loss(h0, n, *, steps):
+        return nested_saving_loss(w, b, h0, buf0, steps=steps, memory=2, inner_memory=2, n=n)
+
+    ours = jax.jit(jax.vmap(jax.grad(functools.partial(loss, steps=12))))(
+        jnp.stack([h0, -h0, 2 * h0]), ns
+    )
+    for i, (h, n) in enumerate(zip([h0, -h0, 2 * h0], [4, 9, 0])):
+        ref = jax.grad(functools.partial(loss, steps=None, n=n))(h)
+        np.testing.assert_allclose(np.asarray(ours[i]), np.asarray(ref), rtol=1e-12, atol=1e-12)
+
+
+def test_nested_writes_keep_no_buffer_per_step():
+    # The nested loop writes in place: the gradient's temporary memory stays within a
+    # few buffers (its value, its cotangent), not one per step or per slot.
+    w, b, h0 = params()
+    big = jnp.zeros((2000, H))
+
+    def loss(w, buf):
+        def body(s):
+            k, h, j, buf = s
+            h = jnp.tanh(w @ h + b)
+            j, buf = memento.while_loop(
+                lambda t: t[0] < 2, lambda t: (t[0] + 1, t[1] + 1, t[2].at[t[1]].set(h * t[0])),
+                (0, j, buf), max_steps=2, memory=2, buffers=lambda t: t[2],
+            )[1:]  # fmt: skip
+            return k + 1, h, j, buf
+
+        out = memento.while_loop(
+            lambda s: s[0] < 900, body, (0, h0, 0, buf), max_steps=1000, memory=16,
+            buffers=lambda s: s[3],
+        )  # fmt: skip
+        return jnp.sum(out[3] ** 2)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, big).compile()
+    # Measured: 1.07 buffers (the same writes made by the step itself: 2.05).
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * big.nbytes
+
+
+def test_nested_loop_misuse_of_buffers_is_refused():
+    h0 = params()[2]
+    buf0 = jnp.zeros((4, H))
+
+    def outer(inner):
+        def body(s):
+            i, h, buf = s
+            return i + 1, h, inner(i, h, buf)
+
+        return memento.while_loop(
+            lambda s: s[0] < 3, body, (0, h0, buf0), max_steps=4, memory=2,
+            buffers=lambda s: s[2],
+        )  # fmt: skip
+
+    def reads_in_cond(i, h, buf):
+        return memento.while_loop(
+            lambda t: t[1][0, 0] < 1.0, lambda t: (t[0] + 1, t[1].at[i].set(h)), (0, buf),
+            max_steps=1, memory=1, buffers=lambda t: t[1],
+        )[1]  # fmt: skip
+
+    def not_a_buffer(i, h, buf):
+        return memento.while_loop(
+            lambda t: t[0] < 1, lambda t: (t[0] + 1, t[1]), (0, buf), max_steps=1, memory=1
+        )[1]
+
+    with pytest.raises(TypeError, match=r"memento\.while_loop: the cond_fun of a loop nested"):
+        outer(reads_in_cond)
+    with pytest.raises(TypeError, match=r"does not name in buffers="):
+        outer(not_a_buffer)
 
 
 # ------------------------------------------------------------------------ truncation

@@ -115,6 +115,15 @@ def while_loop(
             times, and once under a true one. ``buf.at[i].get()`` reads the value the
             location held before the loop, which is its value until its one write (what
             Equinox's ``buffer_at_set`` reads; a read after the write is not detected).
+            A `memento.while_loop` nested in ``body_fun`` may write them too, as
+            Equinox's nested loops may, by naming them among its own ``buffers``: a
+            number of writes per step known only at run time (Diffrax's save loop). Its
+            ``cond_fun`` may not read them (a ``TypeError``). The steps take the
+            buffer and return it whole, so no copy is kept per step or per slot (a
+            900-step loop writing 2 rows a step into a 2000-row buffer: 1.07 buffers of
+            temporary memory); XLA may still copy the cotangent inside the nested loop's
+            backward pass (one output-sized array more than Diffrax's own adjoint on a
+            32-state solve).
         return_truncated: if True, return ``(final, truncated)``, where ``truncated`` is
             a bool scalar (one per member under ``vmap``): True when the loop stopped
             because it took ``max_steps`` steps while ``cond_fun`` still held, so the
@@ -191,21 +200,37 @@ def while_loop(
 
     init_leaves, init_tree = jax.tree_util.tree_flatten(init_val)
     is_buffer = _buffer_mask(buffers, init_val, init_leaves)
-    init_leaves = [jnp.asarray(c) for c in init_leaves]
+    # A loop nested in the body of another: buffers of the outer loop (its stand-ins) are
+    # written here as this loop's own buffers, on the outer step's array (`_Buffer.thread`).
+    given = [x for x, b in zip(init_leaves, is_buffer) if b]
+    outer = [x if isinstance(x, _Buffer) else None for x in given]
+    if any(isinstance(x, _Buffer) and not b for x, b in zip(init_leaves, is_buffer)):
+        raise TypeError(
+            f"{_NAME}: init_val holds a buffer of an enclosing memento.while_loop that this "
+            "nested loop does not name in buffers=; pass it as a buffer (e.g. "
+            "buffers=lambda c: c[1]) to write it from the nested loop."
+        )
+    init_leaves = [c.thread() if isinstance(c, _Buffer) else jnp.asarray(c) for c in init_leaves]
     carry0 = [c for c, b in zip(init_leaves, is_buffer) if not b]
     buffers0 = [c for c, b in zip(init_leaves, is_buffer) if b]
     buffer_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in buffers0]
+    # What ``buf.at[i].get()`` reads: the value before the outermost loop that owns it.
+    initials = [a if o is None else o.initial for o, a in zip(outer, buffers0)]
     # Per write of one step: (buffer number, number of index leaves, conditional?).
     writes: list = []
 
-    def as_step(c, active):
+    def as_step(c, x):
         # The carry without its buffers; the buffers are write-only stand-ins that
         # record what the body writes, returned as the step's outputs. ``active`` (a bool
         # input) says whether the step is taken: under vmap the batch steps until its
         # last member stops, and a member already stopped keeps its carry and writes
-        # nothing (see `_differentiable_run`); otherwise it is always True.
+        # nothing (see `_differentiable_run`); otherwise it is always True. The buffers'
+        # arrays are inputs too, read only by loops nested in the body that write them
+        # (a whole-buffer output, `_WHOLE`); the other steps leave them unused.
+        active, *arrays = x
         stand_ins = [
-            _Buffer(j, a, initial=b) for j, (a, b) in enumerate(zip(buffer_avals, buffers0))
+            _Buffer(j, a, initial=b, array=arr)
+            for j, (a, b, arr) in enumerate(zip(buffer_avals, initials, arrays))
         ]
         full = _merge_buffers(c, stand_ins, is_buffer)
         out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
@@ -229,7 +254,12 @@ def while_loop(
                     f"buf.at[i].set(x) (got {type(leaf).__name__}); buffers are write-only "
                     "inside the loop."
                 )
-            for idx, value, pred in leaf.writes:
+            if leaf.threaded:
+                # Written by a nested loop: the step outputs the whole array (a stopped
+                # member's unchanged).
+                writes.append((j, _WHOLE, False))
+                ys.append(_select(active, leaf.thread(), arrays[j]))
+            for idx, value, pred in () if leaf.threaded else leaf.writes:
                 pred = active if pred is None else pred & active
                 writes.append((j, len(idx), True))
                 ys.extend([*idx, value, pred])
@@ -238,11 +268,13 @@ def while_loop(
 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
     paths = [p for p, b in zip(paths, is_buffer) if not b]
-    body = make_body(as_step, carry0, jnp.bool_(True), name=_NAME, carry_paths=paths)
+    body = make_body(as_step, carry0, [jnp.bool_(True), *buffers0], name=_NAME, carry_paths=paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
     cond_jaxpr, cond_consts = _trace_cond(cond_fun, full0, init_tree)
+    if any(o is not None for o in outer):
+        _refuse_reading_outer_buffers(cond_jaxpr, is_buffer, outer)
     # Carry leaves the body returns unchanged are read-only: as lax.while_loop does, they
     # become constants of the loop (of the body and of the predicate), out of the slots.
     readonly = body.readonly_carry()
@@ -281,8 +313,11 @@ def while_loop(
         name=_NAME,
         instead="lax.while_loop",
     )
-    final = _merge_buffers(merge(fixed, carry, readonly), bufs, is_buffer)
-    out = jax.tree_util.tree_unflatten(init_tree, final)
+    carry = merge(fixed, carry, readonly)
+    final = _merge_buffers(carry, bufs, is_buffer)
+    # An enclosing loop's buffers go back to its body as stand-ins that hold the writes.
+    returned = [b if o is None else o.threaded_as(b) for o, b in zip(outer, bufs)]
+    out = jax.tree_util.tree_unflatten(init_tree, _merge_buffers(carry, returned, is_buffer))
     if not return_truncated:
         return out
     if steps is None:
@@ -361,9 +396,36 @@ class _Buffer(jax.Array):
     cannot be read: every read is a ``TypeError`` that says so.
     """
 
-    def __init__(self, number: int, aval, writes: tuple = (), *, initial=None):
+    def __init__(
+        self, number: int, aval, writes: tuple = (), *, initial=None, array=None, threaded=False
+    ):
         self.number, self._aval, self.writes = number, aval, writes
         self._initial = initial
+        # The buffer's array as the step receives it (``threaded``: with the step's writes
+        # applied, a nested loop having written it).
+        self._array, self.threaded = array, threaded
+
+    @property
+    def initial(self):
+        return self._initial
+
+    def thread(self) -> jax.Array:
+        """The array with this step's writes so far, for a loop nested in the body that
+        writes the buffer (`memento.while_loop` with it among its ``buffers``)."""
+        if self._array is None:
+            raise TypeError(f"{_NAME}: this buffer cannot be written by a nested loop.")
+        if self.threaded:
+            return self._array
+        array = self._array
+        for index, value, pred in self.writes:
+            if pred is not None:
+                value = jnp.where(pred, value, array[index])
+            array = array.at[index].set(value)
+        return array
+
+    def threaded_as(self, array) -> _Buffer:
+        """This stand-in once a nested loop has written it: ``array`` holds the writes."""
+        return _Buffer(self.number, self._aval, initial=self._initial, array=array, threaded=True)
 
     shape = property(lambda self: tuple(self._aval.shape))
     dtype = property(lambda self: self._aval.dtype)
@@ -430,7 +492,17 @@ class _BufferWrite:
                     f"{_NAME}: buf.at[i].set(x, pred=...) takes a bool scalar pred, got "
                     f"{pred.dtype}{list(pred.shape)}."
                 )
-        return _Buffer(b.number, b._aval, (*b.writes, (index, value, pred)), initial=b._initial)
+        if b.threaded:  # written by a nested loop already: write on its array
+            old = b.thread()
+            value = value if pred is None else jnp.where(pred, value, old[index])
+            return b.threaded_as(old.at[index].set(value))
+        return _Buffer(
+            b.number,
+            b._aval,
+            (*b.writes, (index, value, pred)),
+            initial=b._initial,
+            array=b._array,
+        )
 
     def get(self, **kwargs):
         """The value the location held before the loop, which is its value until its one
@@ -446,12 +518,34 @@ class _BufferWrite:
         return b._initial[_as_index(self.index)]
 
 
+def _refuse_reading_outer_buffers(cond_jaxpr, is_buffer, outer) -> None:
+    """A nested loop's predicate may not read an enclosing loop's buffer: the enclosing
+    loop's backward pass recomputes its steps with that buffer's final value, not the one
+    the step saw."""
+    used = {v for e in cond_jaxpr.eqns for v in e.invars if isinstance(v, jex_core.Var)}
+    used |= {v for v in cond_jaxpr.outvars if isinstance(v, jex_core.Var)}
+    buffer_vars = [v for v, b in zip(cond_jaxpr.invars, is_buffer) if b]
+    if any(o is not None and v in used for v, o in zip(buffer_vars, outer)):
+        raise TypeError(
+            f"{_NAME}: the cond_fun of a loop nested in a memento.while_loop body reads a "
+            "buffer of the enclosing loop; buffers are write-only there. Decide on the "
+            "carry instead (e.g. an index carried next to the buffer)."
+        )
+
+
+# A write of a whole buffer: a nested loop wrote it, the step outputs the array.
+_WHOLE = -1
+
+
 def _apply_writes(bufs, ys, write_spec) -> list:
     """The buffers after one step's writes (``ys``: per write, its index leaves, its value
     and, for a conditional write, its predicate)."""
     bufs = list(bufs)
     k = 0
     for j, n_idx, conditional in write_spec:
+        if n_idx == _WHOLE:
+            bufs[j], k = ys[k], k + 1
+            continue
         index, value = tuple(ys[k : k + n_idx]), ys[k + n_idx]
         if conditional:
             value = jnp.where(ys[k + n_idx + 1], value, bufs[j][index])
@@ -486,6 +580,7 @@ def _differentiable_run(
     row_slot = events.slot.astype(np.int32)
     row_store = events.store
     max_t = (1 << 31) - 1 if steps is None else steps + 1  # the step counter is int32
+    threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
     def cond(cond_consts, c, bufs):
         full = _merge_buffers(c, bufs, is_buffer)
@@ -496,7 +591,7 @@ def _differentiable_run(
         return ok if steps is None else jnp.logical_and(p < steps, ok)
 
     def step(consts, c, bufs, active=True):
-        c, ys = body(consts, c, [jnp.asarray(active)])
+        c, ys = body(consts, c, [jnp.asarray(active), *bufs])
         return c, _apply_writes(bufs, ys, write_spec)
 
     @jax.custom_vjp
@@ -512,7 +607,11 @@ def _differentiable_run(
 
     def fwd(consts, cond_consts, init, bufs):
         # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
-        b = body.restrict([a.perturbed for a in consts], [a.perturbed for a in init], [False])
+        # A buffer written whole (by a nested loop) is differentiated as a step's input.
+        whole = [a.perturbed and j in threaded for j, a in enumerate(bufs)]
+        b = body.restrict(
+            [a.perturbed for a in consts], [a.perturbed for a in init], [False, *whole]
+        )
         _refuse_per_step_psums(b, cond_jaxpr)
         consts, cond_consts, init, bufs = (
             [a.value for a in x] for x in (consts, cond_consts, init, bufs)
@@ -554,28 +653,37 @@ def _differentiable_run(
             lambda s: _any_member(s[6]), body_fn, state
         )
         stack_pos, stack_slot, depth = _stack(total, num_slots, row_pos, row_slot, row_store)
-        res = (consts, init, hidden, total, n, stack_pos, stack_slot, depth, bufs)
-        return (c, bufs), (res, Static(b))
+        # The buffers' values are a step's inputs only where a nested loop writes them
+        # (any value will do: they are write-only); else their types are enough.
+        kept = [x if j in threaded else None for j, x in enumerate(bufs)]
+        res = (consts, init, hidden, total, n, stack_pos, stack_slot, depth, kept)
+        return (c, bufs), (res, Static((b, [jax.typeof(x) for x in bufs])))
 
     def bwd(res, cts):
         refuse_reverse_over_reverse((res, cts), name=_NAME)
-        (consts, init, hidden, total, n, stack_pos, stack_slot, depth, bufs) = res[0]
-        b = res[1].value
+        (consts, init, hidden, total, n, stack_pos, stack_slot, depth, kept) = res[0]
+        b, buf_types = res[1].value
         ct_final, ct_bufs = cts
         ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
         # Cotangents of float buffers only; a written location passes its cotangent to the
         # value written there and none to what it held before.
-        buf_float = [is_float(x) for x in bufs]
-        ct_b = instantiate(ct_bufs, [jax.typeof(x) for x in bufs], buf_float)
+        buf_float = [is_float(x) for x in buf_types]
+        ct_b = instantiate(ct_bufs, buf_types, buf_float)
+        bufs = [jnp.zeros(t.shape, t.dtype) if x is None else x for x, t in zip(kept, buf_types)]
         kf, _ = split(consts, b.const_mask)
 
         def give_cts(e, d_x, ct_b):
+            # A buffer written whole by the step: its cotangent before the step.
+            ct_b, d_x = list(ct_b), iter(d_x)
+            for j in sorted(threaded):
+                if buf_float[j] and b.x_mask[1 + j]:
+                    ct_b[int(np.sum(buf_float[:j]))] = next(d_x)
             return ct_b
 
         # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
         hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
         ct_k, ct_init, ct_b = _recursion.backward(
-            b, slots, max_t, consts, init, lambda e: [_member_active(e < n)], hidden, total - 1, stack_pos,
+            b, slots, max_t, consts, init, lambda e: [_member_active(e < n), *bufs], hidden, total - 1, stack_pos,
             depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
@@ -586,7 +694,7 @@ def _differentiable_run(
             merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
             [None] * num_cond_consts,
             merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
-            merge(ct_b, [None] * (len(bufs) - len(ct_b)), buf_float),
+            merge(ct_b, [None] * (len(buf_types) - len(ct_b)), buf_float),
         )
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -701,16 +809,12 @@ def _stack(n, num_slots, row_pos, row_slot, row_store):
         return jnp.zeros(size, jnp.int32), jnp.full(size, -1, jnp.int32), jnp.int32(0)
     pos, slot = jnp.asarray(row_pos), jnp.asarray(row_slot)
     time = jnp.arange(len(row_pos), dtype=jnp.int32)
-    live = pos < n
-    last_store = jax.ops.segment_max(
-        jnp.where(live & row_store, time, -1), slot, num_segments=num_slots
-    )
-    last_free = jax.ops.segment_max(
-        jnp.where(live & ~row_store, time, -1), slot, num_segments=num_slots
-    )
-    held = last_store > last_free
+    # A slot holds a carry if its last event before position n is a store. (One
+    # segment_max: XLA materialises its input, an array as long as the event table.)
+    last = jax.ops.segment_max(jnp.where(pos < n, time, -1), slot, num_segments=num_slots)
+    held = (last >= 0) & jnp.asarray(row_store)[jnp.maximum(last, 0)]
     big = jnp.iinfo(jnp.int32).max
-    where = jnp.where(held, pos[jnp.maximum(last_store, 0)], big)
+    where = jnp.where(held, pos[jnp.maximum(last, 0)], big)
     order = jnp.argsort(where).astype(jnp.int32)
     stack_pos = jnp.concatenate([jnp.zeros(1, jnp.int32), where[order]])
     stack_slot = jnp.concatenate([jnp.full(1, -1, jnp.int32), order])
@@ -724,6 +828,13 @@ def _buffer_cts(body: Body, buf_float, write_spec, e, ys, ct_b):
     ct_b = list(ct_b)
     where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
     for j, n_idx, conditional in write_spec:
+        if n_idx == _WHOLE:
+            # The step's VJP takes the whole cotangent and gives the one before the step
+            # (`give_cts` of `_differentiable_run`).
+            if buf_float[j] and body.y_mask[k]:
+                ct_y.append(ct_b[int(where[j])])
+            k += 1
+            continue
         index = tuple(ys[k : k + n_idx])
         if buf_float[j]:
             f = int(where[j])
