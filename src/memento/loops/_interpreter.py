@@ -65,7 +65,8 @@ for _i, _op in enumerate(_PRIMAL_OPS):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
-    """A schedule compiled to arrays (all NumPy; turned into constants when traced).
+    """A schedule compiled to arrays (all NumPy; handed to the compiled program at run
+    time by `runtime_arrays`, never embedded in it).
 
     A stored state is placed by ``(nh, ni)``, the hidden and internal states below it on
     the schedule's stack (`_pool`); the two counts have a column each.
@@ -104,6 +105,13 @@ class Program:
     host_save_hidden: np.ndarray
     host_save_internal: np.ndarray
     host_tops: np.ndarray
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Bytes of the rows the backward pass reads at run time (`runtime_arrays`): device
+        memory outside the slots' budget, as the rows took as constants before (about
+        60 B a step for HSM at 10 slots). The sweep's saves add O(slots)."""
+        return self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
 
     @property
     def has_host(self) -> bool:
@@ -207,6 +215,31 @@ def compile_schedule(schedule: Schedule) -> Program:
         host_save_internal=host_save_internal,
         host_tops=host_tops,
     )
+
+
+def runtime_arrays(arrays) -> list:
+    """NumPy arrays as values the compiled program receives when it runs, not constants.
+
+    A schedule has O(t) rows. As constants they made the program grow with the number
+    of steps, and XLA:GPU compiles a large constant slowly (GitHub issue 20: 1.2 s at
+    10^4 steps, 12 s at 10^5, against 0.26 s for the recursion). They come instead from
+    one ``jax.pure_callback`` with no operands, which hands the host's arrays to the
+    device each time the program runs (a copy of the rows: at 10^6 steps about 50 MB,
+    once per pass). With no operands it is bound outside every transformation: never
+    batched under ``vmap``, no tangent under ``jvp`` (so Hessians are as before), one
+    call per device under ``shard_map``, and under ``jit`` with sharded inputs one call
+    whose result XLA broadcasts to the other devices, outside the loops.
+
+    The cost: ``jax.export`` cannot serialise a host callback, so a program that runs
+    schedule rows cannot be exported (JAX raises ``NotImplementedError``; see
+    docs/limitations.md). The recursion (HSM) has no rows and exports.
+    """
+    arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+    if not arrays:
+        return []
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    out = jax.pure_callback(lambda: arrays, shapes, vmap_method="broadcast_all")
+    return list(out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -335,6 +368,11 @@ def _layouts(prog: Program, body: Body, spec: ResidualSpec, place: bool):
     return layout, host, Slots(layout.pools.allocate(), host_pools)
 
 
+def _read(a, i):
+    """``a[i]`` along the first axis, for ``0 <= i < len(a)`` (in range by construction)."""
+    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
+
+
 def x_at(xs, p) -> list:
     """Step p's slice of ``xs``; ``xs`` may be a function of p (`memento.while_loop`'s
     ``active`` input)."""
@@ -396,9 +434,32 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         c_new, y = body(consts, c, x)
         return c_new, y, slots
 
-    def step(state, inp):
-        c, slots = state
-        p, sh_h, sh_i, si_h, si_i, hh_h, hh_i, hi_h, hi_i = inp
+    # The sweep's saves are few (each slot is written at most once in the first sweep):
+    # per kind (device hidden, device internal, host hidden, host internal) the positions
+    # that save, in order, with their places (nh, ni), and a sentinel position past every
+    # step. A pointer per kind walks them. So the sweep reads O(slots) run-time data
+    # (`runtime_arrays`, one callback), not O(t) columns, and carries the step number
+    # rather than scanning an ``arange`` (O(t) memory both).
+    never = np.iinfo(np.int32).max
+    columns = []
+    for a in (prog.save_hidden, prog.save_internal, prog.host_save_hidden, prog.host_save_internal):
+        at = np.flatnonzero(a[:n_sweep, 0] >= 0)
+        columns += [np.append(at, never), np.append(a[at, 0], -1), np.append(a[at, 1], -1)]
+    tables = runtime_arrays([t.astype(np.int32) for t in columns]) if n_sweep else []
+
+    def save_at(kind, ptr, p):
+        """``(nh, ni)`` where the sweep saves ``kind`` at step p, ``(-1, -1)`` if not,
+        and whether it does."""
+        pos, nh, ni = tables[3 * kind : 3 * kind + 3]
+        hit = _read(pos, ptr) == p
+        return jnp.where(hit, _read(nh, ptr), -1), jnp.where(hit, _read(ni, ptr), -1), hit
+
+    def step(state, _):
+        p, c, slots, ptrs = state
+        (sh_h, sh_i, h0), (si_h, si_i, h1), (hh_h, hh_i, h2), (hi_h, hi_i, h3) = (
+            save_at(k, ptrs[k], p) for k in range(4)
+        )
+        ptrs = [q + hit.astype(jnp.int32) for q, hit in zip(ptrs, (h0, h1, h2, h3))]
         x = x_at(xs, p)
         if prog.sweep_saves_hidden:
             slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0, pos=p)
@@ -417,26 +478,11 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
             c_new, y, slots = lax.cond(si[0] >= 0, saver(level), primal_step, c, slots, x, si, p)
         else:
             c_new, y, slots = primal_step(c, slots, x, None, p)
-        return (c_new, slots), y
+        return (p + 1, c_new, slots, ptrs), y
 
-    # Steps are indexed, not sliced: ``xs[:t-1]`` would be a copy of xs in temp memory.
-    # Columns are scanned one by one (a scanned (n, 2) row, then indexed, trips XLA:CPU's
-    # fusion emitter under jvp).
-    inputs = (
-        jnp.arange(n_sweep, dtype=jnp.int32),
-        *(
-            jnp.asarray(a[:n_sweep, k])
-            for a in (
-                prog.save_hidden,
-                prog.save_internal,
-                prog.host_save_hidden,
-                prog.host_save_internal,
-            )
-            for k in (0, 1)
-        ),
-    )
     if n_sweep > 0:
-        (c, slots), ys = lax.scan(step, (list(init), slots), inputs, unroll=unroll)
+        state = (jnp.int32(0), list(init), slots, [jnp.int32(0)] * 4)
+        (_, c, slots, _), ys = lax.scan(step, state, None, length=n_sweep, unroll=unroll)
     else:
         c, ys = list(init), [jnp.zeros((0, *a.shape), a.dtype) for a in body.y_avals]
     working = None
@@ -491,9 +537,10 @@ def run_backward(
     n_stored = len(spec.stored)
     xs_f, _ = split(xs, body.x_mask)
 
-    primal_rows = jnp.asarray(prog.primal_rows)
-    segment_end = jnp.asarray(prog.segment_end)
-    backward_rows = jnp.asarray(prog.backward_rows)
+    # The rows are run-time data (`runtime_arrays`), one callback for the backward pass.
+    primal_rows, segment_end, backward_rows = runtime_arrays(
+        (prog.primal_rows, prog.segment_end, prog.backward_rows)
+    )
 
     # -- the primal rows ----------------------------------------------------------------
     # XLA copies a buffer that goes through a conditional whose branches both read it
