@@ -387,13 +387,38 @@ def x_at(xs, p) -> list:
 # Building blocks shared with `memento.while_loop`, whose plan is made at run time.
 
 
-def advance_steps(body: Body, consts, c, xs, pos, count):
-    """``count`` primal steps from the state ``c = h_pos`` (both may be traced values)."""
+def advance_steps(body: Body, consts, c, xs, pos, count, unroll: int = 1):
+    """``count`` primal steps from the state ``c = h_pos`` (both may be traced values).
+
+    ``unroll`` steps per loop iteration, as ``lax.scan``'s ``unroll``: ``count // unroll``
+    iterations of ``unroll`` steps, then the rest (fewer than ``unroll``) one per
+    iteration. A loop iteration has a fixed cost (on a GPU a launch and a predicate read
+    back, several microseconds), which a small body does not hide.
+    """
 
     def one(i, c):
         return body(consts, c, x_at(xs, pos + i))[0]
 
-    return lax.fori_loop(0, count, one, c)
+    if unroll <= 1:
+        return lax.fori_loop(0, count, one, c)
+
+    def block(state):
+        i, c = state
+        for j in range(unroll):
+            c = one(i + j, c)
+        return i + unroll, c
+
+    # ``count - i >= unroll``, not ``i + unroll <= count``: nothing wraps near 2^31.
+    start = (jnp.zeros((), jnp.result_type(count)), c)
+    i, c = lax.while_loop(lambda s: count - s[0] >= unroll, block, start)
+    return lax.fori_loop(i, count, one, c)
+
+
+def unroll_factor(unroll: int | bool, num_steps: int) -> int:
+    """Steps per loop iteration for ``lax.scan``'s ``unroll`` argument: ``True`` is every
+    step (``num_steps``), ``False`` one; an int at least 1, at most ``num_steps``."""
+    k = num_steps if unroll is True else 1 if unroll is False else int(unroll)
+    return max(1, min(k, num_steps))
 
 
 def apply_pullback(pullback, ct_c, ct_y):
@@ -517,6 +542,7 @@ def run_backward(
     *,
     need_consts=None,
     need_xs=None,
+    unroll: int = 1,
 ):
     """Back-propagates through all steps following the program.
 
@@ -526,6 +552,7 @@ def run_backward(
         need_consts, need_xs: which float leaves of consts and xs need a cotangent
             (default all). The others are neither accumulated nor stored: a cotangent of
             ``xs`` alone is as large as ``xs``.
+        unroll: steps per iteration of the recomputation loops (`advance_steps`).
 
     Returns:
         ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only; ``None`` where not needed.
@@ -555,7 +582,7 @@ def run_backward(
     HLOAD_H, HLOAD_I = _BRANCH[Op.HOST_LOAD_HIDDEN], _BRANCH[Op.HOST_LOAD_INTERNAL]
 
     def advance(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return advance_steps(body, consts, c, xs, pos, arg)
+        return advance_steps(body, consts, c, xs, pos, arg, unroll)
 
     def keep(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return c

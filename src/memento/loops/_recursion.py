@@ -254,6 +254,7 @@ def backward(
     aux,
     take_cts: Callable,
     give_cts: Callable,
+    unroll: int = 1,
 ):
     """Back-propagates steps ``last`` .. 0 by the binomial recursion over the kept stack.
 
@@ -312,7 +313,7 @@ def backward(
                 c, stacks, stack_pos, depth, p, _ = state
                 q = next_push(e, p, depth)
                 to = jnp.minimum(q, e)
-                c = advance_steps(body, consts, c, xs, p, to - p)
+                c = advance_steps(body, consts, c, xs, p, to - p, unroll)
                 push = q < e
                 stacks = write(stacks, depth, c, body.carry_avals, push, pos=to)  # depth + 1
                 above = _pick(push, q, _get(stack_pos, depth + 1))
@@ -324,7 +325,7 @@ def backward(
                 lambda s: s[5] & (s[4] < e), segment, state
             )
         else:
-            c = advance_steps(body, consts, c, xs, b, e - b)
+            c = advance_steps(body, consts, c, xs, b, e - b, unroll)
         _, ys, pullback = body.linearize(consts, c, x_at(xs, e))
         ct_y, aux = take_cts(e, ys, aux)
         d_k, ct_c, d_x = apply_pullback(pullback, ct_c, ct_y)
@@ -372,7 +373,19 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
 
 
 def scan_backward(
-    body: Body, spec, slots: int, num_steps: int, consts, init, xs, stacks, working, ct_c, ct_ys
+    body: Body,
+    spec,
+    slots: int,
+    num_steps: int,
+    consts,
+    init,
+    xs,
+    stacks,
+    working,
+    ct_c,
+    ct_ys,
+    *,
+    unroll: int = 1,
 ):
     """The backward pass after `scan_forward`: ``(ct_consts_f, ct_init_f, ct_xs_f)``."""
     t = num_steps
@@ -393,6 +406,6 @@ def scan_backward(
     stack_pos[1 : len(pushes) + 1] = pushes  # pushed in order: slot j holds the j-th
     ct_k, ct_init, ct_xs = backward(
         body, slots, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
-        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts,
+        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts, unroll,
     )  # fmt: skip
     return ct_k, ct_init, ct_xs
