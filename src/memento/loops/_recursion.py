@@ -82,18 +82,18 @@ _TOP = (1 << 31) - 1  # splits are tabulated for every t an int32 step counter a
 
 @functools.lru_cache(maxsize=32)
 def _binomials(slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """``B(m, w) = binom(m + w, w)`` for ``3 <= m <= slots``, as far as splits of any
+    """``B(m, w) = binom(m + w, w)`` for ``4 <= m <= slots``, as far as splits of any
     int32 length look: a flat int32 table (saturated at ``_SAT``) and row offsets.
 
     Row m runs to the level ``W(m)``, the smallest w with ``B(m, w) >= 2^31 - 1``, so the
     table depends on the budget only, never on the number of steps: the program of a
     scan of 10^3 steps and of 10^8 is the same (GitHub issue 20: XLA:GPU compiles large
-    constants slowly). Rows 1 and 2 have closed forms (`_binomial`), and rows from 3 on
-    are short: about 4.3 thousand entries at 100 slots, 9 thousand at 1000.
+    constants slowly). Rows 1 to 3 have closed forms (`_binomial`), and rows from 4 on
+    are short: about 1.9 thousand entries at 100 slots, 6.9 thousand at 1000.
     """
-    # Rows m >= 3 column by column (NumPy over m; a row ends at its first entry >= _TOP,
+    # Rows m >= 4 column by column (NumPy over m; a row ends at its first entry >= _TOP,
     # so the rows still open shrink fast).
-    ms = np.arange(3, max(slots, 2) + 1, dtype=np.int64)
+    ms = np.arange(4, max(slots, 3) + 1, dtype=np.int64)
     lengths = np.ones(len(ms), np.int64)  # B(m, 0) = 1
     last = np.ones(len(ms), np.int64)
     columns = []
@@ -105,25 +105,35 @@ def _binomials(slots: int) -> tuple[np.ndarray, np.ndarray]:
         lengths[open_] += 1
         columns.append((w, open_, last[open_]))
         open_ = open_[last[open_] < _TOP]
-    offsets = np.zeros(max(slots, 2) + 1, np.int64)  # offsets[m], m = 0..slots (0 for m < 3)
-    offsets[3:] = np.cumsum(np.array([0, *lengths]))[:-1]
+    offsets = np.zeros(max(slots, 3) + 1, np.int64)  # offsets[m], m = 0..slots (0 for m < 4)
+    offsets[4:] = np.cumsum(np.array([0, *lengths]))[:-1]
     table = np.ones(max(int(lengths.sum()), 1), np.int64)  # column 0: B(m, 0) = 1
     for w, rows, values in columns:
-        table[offsets[rows + 3] + w] = values
+        table[offsets[rows + 4] + w] = values
     return table.astype(np.int32), offsets.astype(np.int32)
 
 
 def _binomial(tab, off, m, w):
     """``B(m, w) = binom(m + w, w)`` on int32 scalars, ``m >= 1``, ``w >= 0``, saturated
-    at ``_SAT``: closed forms for m = 1 (``w + 1``) and m = 2 (``(w + 1)(w + 2) / 2``,
-    halving the even factor first; from w = 65535 on it passes 2^31 - 1), the table
-    (`_binomials`) from m = 3 on."""
-    small = jnp.minimum(w, 65534)  # below the saturation, no product wraps
+    at ``_SAT``: closed forms for m = 1 (``w + 1``), m = 2 (``(w + 1)(w + 2) / 2``) and
+    m = 3 (that times ``(w + 3) / 3``), the table (`_binomials`) from m = 4 on.
+
+    No product wraps: row 2 is computed for ``w <= 65534`` (halving the even factor
+    first) and row 3 for ``w <= 2342`` (dividing by 3 before the last product), the last
+    levels below 2^31 - 1; past them the value saturates.
+    """
+    small = jnp.minimum(w, 65534)
     s1, s2 = small + 1, small + 2
     tri = _pick(s1 % 2 == 0, (s1 // 2) * s2, s1 * (s2 // 2))
     tri = _pick(w >= 65535, jnp.int32(_SAT), tri)
-    row = _get(tab, _pick(m >= 3, _get(off, m) + w, 0))
-    return _pick(m == 1, w + 1, _pick(m == 2, tri, row))
+    # binom(w + 3, 3) = tri * (w + 3) / 3 with tri = (q * 3 + r): q * (w + 3) is at most
+    # the result, and r * (w + 3), a multiple of 3, is small.
+    small3 = jnp.minimum(w, 2342)
+    tri3 = ((small3 + 1) * (small3 + 2)) // 2
+    q, r = tri3 // 3, tri3 % 3
+    tet = _pick(w >= 2343, jnp.int32(_SAT), q * (small3 + 3) + (r * (small3 + 3)) // 3)
+    row = _get(tab, _pick(m >= 4, _get(off, m) + w, 0))
+    return _pick(m == 1, w + 1, _pick(m == 2, tri, _pick(m == 3, tet, row)))
 
 
 def hsm_splitter(slots: int) -> Callable:
