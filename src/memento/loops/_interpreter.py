@@ -421,8 +421,9 @@ def _layouts(prog: Program, body: Body, spec: ResidualSpec, place: bool):
     return layout, host, Slots(layout.pools.allocate(), host_pools)
 
 
-def _read(a, i):
-    """``a[i]`` along the first axis, for ``0 <= i < len(a)`` (in range by construction)."""
+def read_index(a, i):
+    """``a[i]`` along the first axis, for ``0 <= i < len(a)`` (in range by construction;
+    shared with `_recursion`)."""
     return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
 
 
@@ -529,8 +530,8 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         """``(nh, ni)`` where the sweep saves ``kind`` at step p, ``(-1, -1)`` if not,
         and whether it does."""
         pos, nh, ni = tables[3 * kind : 3 * kind + 3]
-        hit = _read(pos, ptr) == p
-        return jnp.where(hit, _read(nh, ptr), -1), jnp.where(hit, _read(ni, ptr), -1), hit
+        hit = read_index(pos, ptr) == p
+        return jnp.where(hit, read_index(nh, ptr), -1), jnp.where(hit, read_index(ni, ptr), -1), hit
 
     def step(state, _):
         p, c, slots, ptrs = state

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from ..planning import hsm_split
 from . import _pool
 from ._body import Body, split
-from ._interpreter import advance_steps, apply_pullback, x_at
+from ._interpreter import advance_steps, apply_pullback, read_index, x_at
 
 _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
@@ -41,9 +41,7 @@ _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is
 # Every index here is in range by construction: reading and writing with lax's dynamic
 # slices, negative indices not wrapped and conditions selected by `lax.select`, keeps
 # the loops' programs (and their tracing) smaller than ``a[i]`` and ``jnp.where`` do.
-def _get(a, i):
-    """``a[i]`` along the first axis, for ``0 <= i < len(a)``."""
-    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
+_get = read_index  # ``a[i]`` along the first axis, for ``0 <= i < len(a)``
 
 
 def _put(a, i, v):
