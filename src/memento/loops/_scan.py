@@ -78,7 +78,8 @@ def scan(
         f, init, xs, length, reverse, unroll: as ``jax.lax.scan``. ``unroll=k`` also
             runs k steps per iteration of the backward pass's recomputation loops (the
             schedule's forward sweeps; each step's VJP still runs in its own iteration of
-            the backward loop). ``True`` unrolls every step, as in ``lax.scan``.
+            the backward loop). ``True`` unrolls every step, as in ``lax.scan``. On CPU
+            ``unroll=1`` was fastest in every measurement (docs/limitations.md).
         memory: what the backward pass may keep. ``None``: everything (this is
             ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
             initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
