@@ -42,7 +42,9 @@ def test_lowered_program_does_not_grow_with_steps(policy, executor, largest):
         sizes[steps] = len(_lowered(steps, policy, executor))
         steps *= 10
     # The same program but for the digits of T in shapes and positions, and which kinds
-    # of rows a schedule happens to hold (MSM: 529 lines at 10^3 steps, 547 at 10^4).
+    # of rows (and of folded pushes and loads) a schedule happens to hold: the branches
+    # traced differ (MSM in debug mode: 73 KB at 10^3 steps, 82 KB at 10^4; without
+    # debug checks 44, 47 and 45 KB at 10^3, 10^4, 10^5).
     # A schedule as a constant was 10x larger per decade (170 KB at 10^3, 1.5 MB at 10^4).
     # "auto" runs MSM's rows at 10^3 steps and, on CPU from 2^16 steps on, the recursion,
     # whose table of binomials (a constant of the budget, 4.3 thousand entries at 100
@@ -50,7 +52,7 @@ def test_lowered_program_does_not_grow_with_steps(policy, executor, largest):
     reference = sizes[10**3]
     if executor == "auto":
         reference = max(reference, len(_lowered(10**3, "hsm", "recursion")))
-    assert max(sizes.values()) <= 1.1 * reference, sizes
+    assert max(sizes.values()) <= 1.25 * reference, sizes
 
 
 def _grad(policy, executor):
