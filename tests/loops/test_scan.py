@@ -11,6 +11,7 @@ from jax import lax
 
 import memento
 from memento.loops import _budget, _scan
+from memento.loops._interpreter import compile_schedule
 
 T, H = 11, 3
 
@@ -242,13 +243,14 @@ def counting_cell(w, counts):
 @pytest.mark.parametrize(
     "policy,memory", [("hsm", 1), ("hsm", 3), ("ism", 4), ("auto", 6), ("msm", 7), ("hsm", 100)]
 )
-def test_forward_evaluations_equal_schedule_cost(policy, memory):
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_forward_evaluations_equal_schedule_cost(policy, memory, unroll):
     w, h0, xs = rnn_params(t=23)
     counts = {"forward": 0, "backward": 0}
     cell = counting_cell(w, counts)
 
     def loss(h0, xs):
-        h, ys = memento.scan(cell, h0, xs, memory=memory, policy=policy)
+        h, ys = memento.scan(cell, h0, xs, memory=memory, policy=policy, unroll=unroll)
         return h.sum() + ys.sum()
 
     jax.block_until_ready(jax.jit(jax.grad(loss))(h0, xs))
@@ -260,6 +262,29 @@ def test_forward_evaluations_equal_schedule_cost(policy, memory):
     assert counts["backward"] == 23  # the VJP runs once per step, never for recomputation
     alpha = _budget.internal_slots(*_sizes(cell, h0, xs[0]))
     assert schedule.alpha == (1 if schedule.policy == "hsm" else alpha)
+
+
+@pytest.mark.parametrize(
+    "executor,policy", [("rows", "hsm"), ("rows", "ism"), ("rows", "msm"), ("recursion", "hsm")]
+)
+@pytest.mark.parametrize("unroll", [2, 3, True])
+def test_unroll_equals_lax_scan_and_unrolls_recomputation(executor, policy, unroll):
+    # unroll=k is lax.scan's in the first sweep, and the backward pass's recomputation
+    # loops run k steps per iteration (GitHub issue 20): same gradients as lax.scan's.
+    w, h0, xs = rnn_params(t=23)
+    ref = GRAD(rnn_loss)(functools.partial(lax.scan, unroll=unroll), w, h0, xs)
+    for memory in (6, 9):
+        scan = budgeted(memory=memory, policy=policy, executor=executor, unroll=unroll)
+        assert_trees_close(GRAD(rnn_loss)(scan, w, h0, xs), ref)
+
+    def tanhs(k):
+        scan = budgeted(memory=6, policy=policy, executor=executor, unroll=k)
+        return str(jax.make_jaxpr(GRAD(rnn_loss), static_argnums=0)(scan, w, h0, xs)).count("tanh")
+
+    # One recomputation loop: k steps per iteration, and a loop of single steps for the
+    # rest; unroll=True is every step, 23.
+    k = 23 if unroll is True else unroll
+    assert tanhs(unroll) - tanhs(1) == k
 
 
 def test_scan_schedule_bad_input():
@@ -420,5 +445,9 @@ def test_no_xs_cotangent_buffer_when_only_weights_are_differentiated():
         grad_w = jax.jit(jax.grad(loss))
         return grad_w.lower(w, h0, xs).compile().memory_analysis().temp_size_in_bytes
 
-    # Only ys' cotangent (one float64 per step) may grow with T, not one x per step.
-    assert temp(4000) - temp(2000) <= 2000 * 8 * 2
+    def rows(num_steps):  # the schedule's rows: run-time data, not constants (issue 20)
+        return compile_schedule(memento.plan(num_steps, 10, policy="hsm")).runtime_bytes
+
+    # Only ys' cotangent (one float64 per step) and the schedule's rows (about 74 B a step
+    # here) may grow with T, not one x (512 B) per step.
+    assert temp(4000) - temp(2000) <= 2000 * 8 * 2 + rows(4000) - rows(2000)

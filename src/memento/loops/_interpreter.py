@@ -65,7 +65,8 @@ for _i, _op in enumerate(_PRIMAL_OPS):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
-    """A schedule compiled to arrays (all NumPy; turned into constants when traced).
+    """A schedule compiled to arrays (all NumPy; handed to the compiled program at run
+    time by `runtime_arrays`, never embedded in it).
 
     A stored state is placed by ``(nh, ni)``, the hidden and internal states below it on
     the schedule's stack (`_pool`); the two counts have a column each.
@@ -78,9 +79,11 @@ class Program:
             sweep, or ``(-1, -1)``.
         fused_last: whether step t-1 is back-propagated fused (its residuals then go from
             the forward pass to the backward pass as the working state).
-        primal_rows: ``(n, 4)`` rows ``(branch, a, b, pos)`` run in the backward pass:
-            ``(a, b) = (nh, ni)`` for saves and loads (``(-1, 0)``: ``h_0``), ``a`` the
-            count of an advance.
+        primal_rows: ``(n, 8)`` rows ``(branch, a, b, pos, sa, sb, la, lb)`` run in the
+            backward pass: ``(a, b) = (nh, ni)`` for saves and loads (``(-1, 0)``:
+            ``h_0``), ``a`` the count of an advance; a hidden load ``(la, lb)`` (``la =
+            -2``: none) and a hidden save ``(sa, sb)`` (``sa = -1``: none) run first, in
+            that order, folded in from the rows before (`_fold_pushes_and_loads`).
         segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
             ``[segment_end[k-1], segment_end[k])`` run before it.
         backward_rows: ``(t, 4)``: ``(fused?, nh, ni, host?)`` of the k-th backward.
@@ -104,6 +107,24 @@ class Program:
     host_save_hidden: np.ndarray
     host_save_internal: np.ndarray
     host_tops: np.ndarray
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Bytes of the schedule the program reads at run time (`runtime_arrays`): the
+        backward's rows and the first sweep's save tables. Device memory outside the
+        slots' budget (about 74 B a step for HSM at 10 slots)."""
+        n_sweep = self.num_steps - 1 if self.fused_last else self.num_steps
+        saves = sum(
+            int((a[:n_sweep, 0] >= 0).sum()) + 1  # and a sentinel
+            for a in (
+                self.save_hidden,
+                self.save_internal,
+                self.host_save_hidden,
+                self.host_save_internal,
+            )
+        )
+        rows = self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
+        return rows + 3 * 4 * saves  # (position, nh, ni) per save, int32
 
     @property
     def has_host(self) -> bool:
@@ -183,11 +204,14 @@ def compile_schedule(schedule: Schedule) -> Program:
     # Number of primal rows before each backward row (after the first): its index in the
     # rest of the rows less the backward rows before it.
     segment_end = (bw - first_bw - np.arange(len(bw))).astype(np.int32)
-    primal_rows = np.empty((len(prim), 4), np.int32)
+    primal_rows = np.empty((len(prim), 8), np.int32)
     primal_rows[:, 0] = _BRANCH[op[prim]]
     primal_rows[:, 1] = a[prim]
     primal_rows[:, 2] = b[prim]
     primal_rows[:, 3] = pos[prim]
+    primal_rows[:, 4:6] = -1  # no push first
+    primal_rows[:, 6:8] = -2  # no load first
+    primal_rows, segment_end = _fold_pushes_and_loads(op[prim], prim, primal_rows, segment_end)
     backward_rows = np.empty((len(bw), 4), np.int32)
     backward_rows[:, 0] = op[bw] == Op.BACKWARD_FUSED
     backward_rows[:, 1] = a[bw]
@@ -207,6 +231,68 @@ def compile_schedule(schedule: Schedule) -> Program:
         host_save_internal=host_save_internal,
         host_tops=host_tops,
     )
+
+
+def runtime_arrays(arrays) -> list:
+    """NumPy arrays as values the compiled program receives when it runs, not constants.
+
+    A schedule has O(t) rows. As constants they made the program grow with the number
+    of steps, and XLA:GPU compiles a large constant slowly (GitHub issue 20: 1.2 s at
+    10^4 steps, 12 s at 10^5, against 0.26 s for the recursion). They come instead from
+    one ``jax.pure_callback`` with no operands, which hands the host's arrays to the
+    device each time the program runs (a copy of the rows: at 10^6 steps about 50 MB,
+    once per pass). With no operands it is bound outside every transformation: never
+    batched under ``vmap``, no tangent under ``jvp`` (so Hessians are as before), one
+    call per device under ``shard_map``, and under ``jit`` with sharded inputs one call
+    whose result XLA broadcasts to the other devices, outside the loops.
+
+    The cost: ``jax.export`` cannot serialise a host callback, so a program that runs
+    schedule rows cannot be exported (JAX raises ``NotImplementedError``; see
+    docs/limitations.md). The recursion (HSM) has no rows and exports.
+    """
+    arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+    if not arrays:
+        return []
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    out = jax.pure_callback(lambda: arrays, shapes, vmap_method="broadcast_all")
+    return list(out)
+
+
+def _fold_pushes_and_loads(ops, index, rows, segment_end):
+    """Folds each device hidden save (a push) and hidden load (a pop's reload) into the
+    row after it, when that row runs from the same position in the same segment and does
+    something else (an advance, a step saving its internal state, a host or internal
+    load or save): that row then loads, then saves, then acts, in one iteration of the
+    backward's row loop instead of two or three (GitHub issue 20: on a GPU each
+    iteration costs several microseconds). The folded load is a select, the folded save
+    a masked write, as the rows' own are: no branch is added.
+
+    Args:
+        ops: the opcodes of the primal rows; ``index``: their indices among all rows
+            (adjacent indices: no backward between them).
+        rows: ``(n, 8)`` primal rows, columns 4-5 the place of the folded save (``-1``:
+            none), 6-7 that of the folded load (``-2``: none; ``(-1, 0)``: ``h_0``).
+
+    Returns:
+        The rows left and ``segment_end`` counted in them.
+    """
+    n = len(rows)
+    if n < 2:
+        return rows, segment_end
+    plain = (ops != Op.SAVE_HIDDEN) & (ops != Op.LOAD_HIDDEN)
+    nxt = np.arange(1, n)
+    foldable = (
+        (index[1:] == index[:-1] + 1) & (rows[1:, 3] == rows[:-1, 3]) & plain[1:]
+    )  # the next row: same segment, same position, an action
+    folded = np.zeros(n, bool)
+    for code, cols, to in ((Op.SAVE_HIDDEN, (1, 2), (4, 5)), (Op.LOAD_HIDDEN, (1, 2), (6, 7))):
+        src = np.flatnonzero((ops[:-1] == code) & foldable)
+        rows[nxt[src], to[0]] = rows[src, cols[0]]
+        rows[nxt[src], to[1]] = rows[src, cols[1]]
+        folded[src] = True
+    # A row before a folded one moves up by the rows folded before it.
+    removed = np.concatenate([[0], np.cumsum(folded)])
+    return rows[~folded], (segment_end - removed[segment_end]).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -335,6 +421,12 @@ def _layouts(prog: Program, body: Body, spec: ResidualSpec, place: bool):
     return layout, host, Slots(layout.pools.allocate(), host_pools)
 
 
+def read_index(a, i):
+    """``a[i]`` along the first axis, for ``0 <= i < len(a)`` (in range by construction;
+    shared with `_recursion`)."""
+    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
+
+
 def x_at(xs, p) -> list:
     """Step p's slice of ``xs``; ``xs`` may be a function of p (`memento.while_loop`'s
     ``active`` input)."""
@@ -349,13 +441,38 @@ def x_at(xs, p) -> list:
 # Building blocks shared with `memento.while_loop`, whose plan is made at run time.
 
 
-def advance_steps(body: Body, consts, c, xs, pos, count):
-    """``count`` primal steps from the state ``c = h_pos`` (both may be traced values)."""
+def advance_steps(body: Body, consts, c, xs, pos, count, unroll: int = 1):
+    """``count`` primal steps from the state ``c = h_pos`` (both may be traced values).
+
+    ``unroll`` steps per loop iteration, as ``lax.scan``'s ``unroll``: ``count // unroll``
+    iterations of ``unroll`` steps, then the rest (fewer than ``unroll``) one per
+    iteration. A loop iteration has a fixed cost (on a GPU a launch and a predicate read
+    back, several microseconds), which a small body does not hide.
+    """
 
     def one(i, c):
         return body(consts, c, x_at(xs, pos + i))[0]
 
-    return lax.fori_loop(0, count, one, c)
+    if unroll <= 1:
+        return lax.fori_loop(0, count, one, c)
+
+    def block(state):
+        i, c = state
+        for j in range(unroll):
+            c = one(i + j, c)
+        return i + unroll, c
+
+    # ``count - i >= unroll``, not ``i + unroll <= count``: nothing wraps near 2^31.
+    start = (jnp.zeros((), jnp.result_type(count)), c)
+    i, c = lax.while_loop(lambda s: count - s[0] >= unroll, block, start)
+    return lax.fori_loop(i, count, one, c)
+
+
+def unroll_factor(unroll: int | bool, num_steps: int) -> int:
+    """Steps per loop iteration for ``lax.scan``'s ``unroll`` argument: ``True`` is every
+    step (``num_steps``), ``False`` one; an int at least 1, at most ``num_steps``."""
+    k = num_steps if unroll is True else 1 if unroll is False else int(unroll)
+    return max(1, min(k, num_steps))
 
 
 def apply_pullback(pullback, ct_c, ct_y):
@@ -396,9 +513,32 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
         c_new, y = body(consts, c, x)
         return c_new, y, slots
 
-    def step(state, inp):
-        c, slots = state
-        p, sh_h, sh_i, si_h, si_i, hh_h, hh_i, hi_h, hi_i = inp
+    # The sweep's saves are few (each slot is written at most once in the first sweep):
+    # per kind (device hidden, device internal, host hidden, host internal) the positions
+    # that save, in order, with their places (nh, ni), and a sentinel position past every
+    # step. A pointer per kind walks them. So the sweep reads O(slots) run-time data
+    # (`runtime_arrays`, one callback), not O(t) columns, and carries the step number
+    # rather than scanning an ``arange`` (O(t) memory both).
+    never = np.iinfo(np.int32).max
+    columns = []
+    for a in (prog.save_hidden, prog.save_internal, prog.host_save_hidden, prog.host_save_internal):
+        at = np.flatnonzero(a[:n_sweep, 0] >= 0)
+        columns += [np.append(at, never), np.append(a[at, 0], -1), np.append(a[at, 1], -1)]
+    tables = runtime_arrays([t.astype(np.int32) for t in columns]) if n_sweep else []
+
+    def save_at(kind, ptr, p):
+        """``(nh, ni)`` where the sweep saves ``kind`` at step p, ``(-1, -1)`` if not,
+        and whether it does."""
+        pos, nh, ni = tables[3 * kind : 3 * kind + 3]
+        hit = read_index(pos, ptr) == p
+        return jnp.where(hit, read_index(nh, ptr), -1), jnp.where(hit, read_index(ni, ptr), -1), hit
+
+    def step(state, _):
+        p, c, slots, ptrs = state
+        (sh_h, sh_i, h0), (si_h, si_i, h1), (hh_h, hh_i, h2), (hi_h, hi_i, h3) = (
+            save_at(k, ptrs[k], p) for k in range(4)
+        )
+        ptrs = [q + hit.astype(jnp.int32) for q, hit in zip(ptrs, (h0, h1, h2, h3))]
         x = x_at(xs, p)
         if prog.sweep_saves_hidden:
             slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0, pos=p)
@@ -417,26 +557,11 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
             c_new, y, slots = lax.cond(si[0] >= 0, saver(level), primal_step, c, slots, x, si, p)
         else:
             c_new, y, slots = primal_step(c, slots, x, None, p)
-        return (c_new, slots), y
+        return (p + 1, c_new, slots, ptrs), y
 
-    # Steps are indexed, not sliced: ``xs[:t-1]`` would be a copy of xs in temp memory.
-    # Columns are scanned one by one (a scanned (n, 2) row, then indexed, trips XLA:CPU's
-    # fusion emitter under jvp).
-    inputs = (
-        jnp.arange(n_sweep, dtype=jnp.int32),
-        *(
-            jnp.asarray(a[:n_sweep, k])
-            for a in (
-                prog.save_hidden,
-                prog.save_internal,
-                prog.host_save_hidden,
-                prog.host_save_internal,
-            )
-            for k in (0, 1)
-        ),
-    )
     if n_sweep > 0:
-        (c, slots), ys = lax.scan(step, (list(init), slots), inputs, unroll=unroll)
+        state = (jnp.int32(0), list(init), slots, [jnp.int32(0)] * 4)
+        (_, c, slots, _), ys = lax.scan(step, state, None, length=n_sweep, unroll=unroll)
     else:
         c, ys = list(init), [jnp.zeros((0, *a.shape), a.dtype) for a in body.y_avals]
     working = None
@@ -471,6 +596,7 @@ def run_backward(
     *,
     need_consts=None,
     need_xs=None,
+    unroll: int = 1,
 ):
     """Back-propagates through all steps following the program.
 
@@ -480,6 +606,7 @@ def run_backward(
         need_consts, need_xs: which float leaves of consts and xs need a cotangent
             (default all). The others are neither accumulated nor stored: a cotangent of
             ``xs`` alone is as large as ``xs``.
+        unroll: steps per iteration of the recomputation loops (`advance_steps`).
 
     Returns:
         ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only; ``None`` where not needed.
@@ -491,9 +618,10 @@ def run_backward(
     n_stored = len(spec.stored)
     xs_f, _ = split(xs, body.x_mask)
 
-    primal_rows = jnp.asarray(prog.primal_rows)
-    segment_end = jnp.asarray(prog.segment_end)
-    backward_rows = jnp.asarray(prog.backward_rows)
+    # The rows are run-time data (`runtime_arrays`), one callback for the backward pass.
+    primal_rows, segment_end, backward_rows = runtime_arrays(
+        (prog.primal_rows, prog.segment_end, prog.backward_rows)
+    )
 
     # -- the primal rows ----------------------------------------------------------------
     # XLA copies a buffer that goes through a conditional whose branches both read it
@@ -508,7 +636,7 @@ def run_backward(
     HLOAD_H, HLOAD_I = _BRANCH[Op.HOST_LOAD_HIDDEN], _BRANCH[Op.HOST_LOAD_INTERNAL]
 
     def advance(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return advance_steps(body, consts, c, xs, pos, arg)
+        return advance_steps(body, consts, c, xs, pos, arg, unroll)
 
     def keep(c, loaded_h, loaded_i, hpools, arg, b, pos):
         return c
@@ -554,6 +682,9 @@ def run_backward(
     track = layout.tagged
     ADV = _BRANCH[Op.ADVANCE]
 
+    folds_save = bool((prog.primal_rows[:, 4] >= 0).any())
+    folds_load = bool((prog.primal_rows[:, 6] >= -1).any())
+
     def run_primal(c, slots, lo, hi, cur):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
             return c, slots, cur
@@ -566,6 +697,25 @@ def run_backward(
             # Each entry read on its own, as the sweep scans its columns one by one.
             branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 3]
             at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
+            # A folded hidden load, then a folded push, before the row's own action.
+            if folds_load:
+                load_at = (primal_rows[pc, 6], primal_rows[pc, 7])
+                loads_first = load_at[0] >= -1
+                loaded = layout.load_hidden(slots, init, load_at, pos=pos, active=loads_first)
+                c = [
+                    _pool.from_storage(
+                        _pool.pick(loads_first, _pool.to_storage(x, v), _pool.to_storage(y, v)),
+                        v,
+                    )
+                    for x, y, v in zip(loaded, c, body.carry_avals)
+                ]
+                if track:
+                    cur = jnp.where(loads_first, pos, cur)
+            if folds_save:
+                save_at = (primal_rows[pc, 4], primal_rows[pc, 5])
+                if track:
+                    _pool.check((save_at[0] < 0) | (cur == pos), "a push is not h_pos")
+                slots = layout.save_hidden(slots, save_at, c, save_at[0] >= 0, pos=pos)
             if SAVE_I in rows_ops:
                 c, slots = lax.cond(
                     branch == SAVE_I,

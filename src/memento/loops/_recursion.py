@@ -33,7 +33,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from ..planning import hsm_split
 from . import _pool
 from ._body import Body, split
-from ._interpreter import advance_steps, apply_pullback, x_at
+from ._interpreter import advance_steps, apply_pullback, read_index, x_at
 
 _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is below
 
@@ -41,9 +41,7 @@ _SAT = (1 << 31) - 1  # binomials saturate here (int32); every count compared is
 # Every index here is in range by construction: reading and writing with lax's dynamic
 # slices, negative indices not wrapped and conditions selected by `lax.select`, keeps
 # the loops' programs (and their tracing) smaller than ``a[i]`` and ``jnp.where`` do.
-def _get(a, i):
-    """``a[i]`` along the first axis, for ``0 <= i < len(a)``."""
-    return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
+_get = read_index  # ``a[i]`` along the first axis, for ``0 <= i < len(a)``
 
 
 def _put(a, i, v):
@@ -77,61 +75,86 @@ def _pick(when, yes, no):
     return lax.select(when, yes, no)
 
 
-@functools.lru_cache(maxsize=32)
-def _binomials(slots: int, max_t: int) -> tuple[np.ndarray, np.ndarray]:
-    """``B(m, w) = binom(m + w, w)`` for ``1 <= m <= slots``, as far as splits of up to
-    ``max_t`` steps look: a flat int32 table (saturated at ``_SAT``) and row offsets.
+_TOP = (1 << 31) - 1  # splits are tabulated for every t an int32 step counter allows
 
-    Row m (m >= 2) runs to the level ``W(m)``, the smallest w with ``B(m, w) >= max_t``;
-    row 1 to ``W(2)``, for the lookups ``B(m - 1, w - 1)`` from row 2. About
-    ``sqrt(2 max_t)`` entries in all (row 2 dominates): 1.4 thousand at 10^6 steps.
+
+@functools.lru_cache(maxsize=32)
+def _binomials(slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``B(m, w) = binom(m + w, w)`` for ``4 <= m <= slots``, as far as splits of any
+    int32 length look: a flat int32 table (saturated at ``_SAT``) and row offsets.
+
+    Row m runs to the level ``W(m)``, the smallest w with ``B(m, w) >= 2^31 - 1``, so the
+    table depends on the budget only, never on the number of steps: the program of a
+    scan of 10^3 steps and of 10^8 is the same (GitHub issue 20: XLA:GPU compiles large
+    constants slowly). Rows 1 to 3 have closed forms (`_binomial`), and rows from 4 on
+    are short: about 1.9 thousand entries at 100 slots, 6.9 thousand at 1000.
     """
-    level_2 = 1
-    while (level_2 + 1) * (level_2 + 2) // 2 < max_t:  # W(2): B(2, w) = (w+1)(w+2)/2
-        level_2 += 1
-    # Rows m >= 2 column by column (NumPy over m; a row ends at its first entry >= max_t,
-    # so the rows still open shrink fast): O(slots) Python-free but for ~W(2) columns.
-    ms = np.arange(2, slots + 1, dtype=np.int64)
+    # Rows m >= 4 column by column (NumPy over m; a row ends at its first entry >= _TOP,
+    # so the rows still open shrink fast).
+    ms = np.arange(4, max(slots, 3) + 1, dtype=np.int64)
     lengths = np.ones(len(ms), np.int64)  # B(m, 0) = 1
     last = np.ones(len(ms), np.int64)
     columns = []
-    open_ = np.flatnonzero(last < max_t)
+    open_ = np.flatnonzero(last < _TOP)
     w = 0
     while len(open_):
         w += 1
         last[open_] = np.minimum(last[open_] * (ms[open_] + w) // w, _SAT)
         lengths[open_] += 1
         columns.append((w, open_, last[open_]))
-        open_ = open_[last[open_] < max_t]
-    offsets = np.cumsum(np.array([0, 0, level_2 + 1, *lengths]))[:-1]  # offsets[m], m = 0..slots
-    table = np.ones(int(offsets[-1] + lengths[-1]), np.int64)  # column 0: B(m, 0) = 1
-    table[: level_2 + 1] = np.arange(1, level_2 + 2)  # row 1: B(1, w) = w + 1
+        open_ = open_[last[open_] < _TOP]
+    offsets = np.zeros(max(slots, 3) + 1, np.int64)  # offsets[m], m = 0..slots (0 for m < 4)
+    offsets[4:] = np.cumsum(np.array([0, *lengths]))[:-1]
+    table = np.ones(max(int(lengths.sum()), 1), np.int64)  # column 0: B(m, 0) = 1
     for w, rows, values in columns:
-        table[offsets[rows + 2] + w] = values
+        table[offsets[rows + 4] + w] = values
     return table.astype(np.int32), offsets.astype(np.int32)
 
 
-def hsm_splitter(slots: int, max_t: int) -> Callable:
-    """`memento.planning.hsm_split` (high=True) on int32 scalars, for ``2 <= t <= max_t``
-    and ``2 <= m <= slots``, from a table of binomials (`_binomials`).
+def _binomial(tab, off, m, w):
+    """``B(m, w) = binom(m + w, w)`` on int32 scalars, ``m >= 1``, ``w >= 0``, saturated
+    at ``_SAT``: closed forms for m = 1 (``w + 1``), m = 2 (``(w + 1)(w + 2) / 2``) and
+    m = 3 (that times ``(w + 3) / 3``), the table (`_binomials`) from m = 4 on.
+
+    No product wraps: row 2 is computed for ``w <= 65534`` (halving the even factor
+    first) and row 3 for ``w <= 2342`` (dividing by 3 before the last product), the last
+    levels below 2^31 - 1; past them the value saturates.
+    """
+    small = jnp.minimum(w, 65534)
+    s1, s2 = small + 1, small + 2
+    tri = _pick(s1 % 2 == 0, (s1 // 2) * s2, s1 * (s2 // 2))
+    tri = _pick(w >= 65535, jnp.int32(_SAT), tri)
+    # binom(w + 3, 3) = tri * (w + 3) / 3 with tri = (q * 3 + r): q * (w + 3) is at most
+    # the result, and r * (w + 3), a multiple of 3, is small.
+    small3 = jnp.minimum(w, 2342)
+    tri3 = ((small3 + 1) * (small3 + 2)) // 2
+    q, r = tri3 // 3, tri3 % 3
+    tet = _pick(w >= 2343, jnp.int32(_SAT), q * (small3 + 3) + (r * (small3 + 3)) // 3)
+    row = _get(tab, _pick(m >= 4, _get(off, m) + w, 0))
+    return _pick(m == 1, w + 1, _pick(m == 2, tri, _pick(m == 3, tet, row)))
+
+
+def hsm_splitter(slots: int) -> Callable:
+    """`memento.planning.hsm_split` (high=True) on int32 scalars, for
+    ``2 <= t < 2^31 - 1`` and ``2 <= m <= slots``, from closed forms and a table of
+    binomials whose size depends on ``slots`` only (`_binomials`).
 
     The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
     with ``B(m, w) >= t`` (a search from w = 1, short but for the smallest m), then the
-    split takes every increment below level w and the ties from g first. Three table
-    reads and a few integer ops: the recursion runs it once per push, inside loops that
-    XLA:CPU compiles as one kernel only while small (see `backward`).
+    split takes every increment below level w and the ties from g first. Three binomials
+    and a few integer ops: the recursion runs it once per push, inside loops that XLA:CPU
+    compiles as one kernel only while small (see `backward`).
     """
-    table, offsets = _binomials(max(slots, 2), max(max_t, 3))
+    table, offsets = _binomials(max(slots, 2))
 
     def split(t, m):
         tab, off = jnp.asarray(table), jnp.asarray(offsets)
 
         def b(m, w):  # binom(m + w, w), w >= 0
-            return _get(tab, _get(off, m) + w)
+            return _binomial(tab, off, m, w)
 
         s = t - 2
-        row = _get(off, m)
-        w = lax.while_loop(lambda w: _get(tab, row + w) < t, lambda w: w + 1, jnp.int32(1))
+        w = lax.while_loop(lambda w: b(m, w) < t, lambda w: w + 1, jnp.int32(1))
         base_g = _pick(w >= 2, b(m, jnp.maximum(w - 2, 0)) - 1, 0)
         h_level = b(m - 1, w - 1)  # binom(m + w - 2, w - 1)
         n_g = _pick(w >= 2, h_level, 0)
@@ -227,7 +250,6 @@ def reorder(stacks, order, avals) -> list:
 def backward(
     body: Body,
     slots: int,
-    max_t: int,
     consts,
     init,
     xs,
@@ -240,13 +262,13 @@ def backward(
     aux,
     take_cts: Callable,
     give_cts: Callable,
+    unroll: int = 1,
 ):
     """Back-propagates steps ``last`` .. 0 by the binomial recursion over the kept stack.
 
     Args:
         body: the step, already restricted to what is differentiated.
         slots: the budget in carries, ``h_0`` included (the stacks hold ``slots - 1``).
-        max_t: a bound on the steps (``last + 2``), for the table of splits.
         consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none).
         stacks: the slot stacks, slot ``d - 1`` holding the carry at stack depth ``d``,
             ``1 <= d <= depth`` (depth 0 is ``h_0``, the caller's); ``stack_pos[d]`` its
@@ -275,7 +297,7 @@ def backward(
     4-float carry) then runs as one kernel at any budget.
     """
     never = jnp.int32(np.iinfo(np.int32).max)
-    split = hsm_splitter(slots, max_t)
+    split = hsm_splitter(slots)
 
     def next_push(e, p, depth):
         # Where the recursion pushes next from h_p with the stack at ``depth``: only while
@@ -299,7 +321,7 @@ def backward(
                 c, stacks, stack_pos, depth, p, _ = state
                 q = next_push(e, p, depth)
                 to = jnp.minimum(q, e)
-                c = advance_steps(body, consts, c, xs, p, to - p)
+                c = advance_steps(body, consts, c, xs, p, to - p, unroll)
                 push = q < e
                 stacks = write(stacks, depth, c, body.carry_avals, push, pos=to)  # depth + 1
                 above = _pick(push, q, _get(stack_pos, depth + 1))
@@ -311,7 +333,7 @@ def backward(
                 lambda s: s[5] & (s[4] < e), segment, state
             )
         else:
-            c = advance_steps(body, consts, c, xs, b, e - b)
+            c = advance_steps(body, consts, c, xs, b, e - b, unroll)
         _, ys, pullback = body.linearize(consts, c, x_at(xs, e))
         ct_y, aux = take_cts(e, ys, aux)
         d_k, ct_c, d_x = apply_pullback(pullback, ct_c, ct_y)
@@ -359,7 +381,19 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
 
 
 def scan_backward(
-    body: Body, spec, slots: int, num_steps: int, consts, init, xs, stacks, working, ct_c, ct_ys
+    body: Body,
+    spec,
+    slots: int,
+    num_steps: int,
+    consts,
+    init,
+    xs,
+    stacks,
+    working,
+    ct_c,
+    ct_ys,
+    *,
+    unroll: int = 1,
 ):
     """The backward pass after `scan_forward`: ``(ct_consts_f, ct_init_f, ct_xs_f)``."""
     t = num_steps
@@ -379,7 +413,7 @@ def scan_backward(
     stack_pos = np.zeros(slots, np.int32)
     stack_pos[1 : len(pushes) + 1] = pushes  # pushed in order: slot j holds the j-th
     ct_k, ct_init, ct_xs = backward(
-        body, slots, t, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
-        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts,
+        body, slots, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
+        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts, unroll,
     )  # fmt: skip
     return ct_k, ct_init, ct_xs

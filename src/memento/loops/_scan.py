@@ -35,7 +35,14 @@ from ._budget import (
     parse_memory,
     to_slots,
 )
-from ._interpreter import Program, compile_schedule, pool_bytes, run_backward, run_sweep
+from ._interpreter import (
+    Program,
+    compile_schedule,
+    pool_bytes,
+    run_backward,
+    run_sweep,
+    unroll_factor,
+)
 
 _NAME = "memento.scan"
 _MAX_STEPS = 2**31 - 2  # positions and the sweep's step counter are int32
@@ -68,7 +75,11 @@ def scan(
     gradient for a given memory.
 
     Args:
-        f, init, xs, length, reverse, unroll: as ``jax.lax.scan``.
+        f, init, xs, length, reverse, unroll: as ``jax.lax.scan``. ``unroll=k`` also
+            runs k steps per iteration of the backward pass's recomputation loops (the
+            schedule's forward sweeps; each step's VJP still runs in its own iteration of
+            the backward loop). ``True`` unrolls every step, as in ``lax.scan``. On CPU
+            ``unroll=1`` was fastest in every measurement (docs/limitations.md).
         memory: what the backward pass may keep. ``None``: everything (this is
             ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
             initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
@@ -561,7 +572,11 @@ def _plan_two_level(body, spec, num_steps, slots, alpha, policy, host, carry_byt
 
 
 def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
-    """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves."""
+    """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves.
+
+    ``unroll`` is ``lax.scan``'s: the first sweep is a ``lax.scan`` with it, and the
+    backward pass's recomputation loops run as many steps per iteration."""
+    k = unroll_factor(unroll, num_steps)
 
     @jax.custom_vjp
     def run(consts, init, xs):
@@ -593,11 +608,12 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         refuse_reverse_over_reverse((res, cts), name=_NAME)
         if prog is None:
             ct_k, ct_init, ct_xs = _recursion.scan_backward(
-                b, spec, budget, num_steps, consts, init, xs, slots, working, ct_c_f, ct_ys_f
-            )
+                b, spec, budget, num_steps, consts, init, xs, slots, working, ct_c_f, ct_ys_f,
+                unroll=k,
+            )  # fmt: skip
         else:
             ct_k, ct_init, ct_xs = run_backward(
-                prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f
+                prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f, unroll=k
             )
         ct_k, ct_init, ct_xs = guard_backward((ct_k, ct_init, ct_xs), name=_NAME)
         # None is a zero cotangent for custom_vjp: leaves not differentiated.

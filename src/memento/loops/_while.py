@@ -579,7 +579,6 @@ def _differentiable_run(
     row_pos = events.pos.astype(np.int32)
     row_slot = events.slot.astype(np.int32)
     row_store = events.store
-    max_t = (1 << 31) - 1 if steps is None else steps + 1  # the step counter is int32
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
     def cond(cond_consts, c, bufs):
@@ -683,7 +682,7 @@ def _differentiable_run(
         # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
         hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
         ct_k, ct_init, ct_b = _recursion.backward(
-            b, slots, max_t, consts, init, lambda e: [_member_active(e < n), *bufs], hidden, total - 1, stack_pos,
+            b, slots, consts, init, lambda e: [_member_active(e < n), *bufs], hidden, total - 1, stack_pos,
             depth, ct_c,
             [jnp.zeros_like(k) for k in kf], ct_b,
             functools.partial(_buffer_cts, b, buf_float, write_spec), give_cts,
