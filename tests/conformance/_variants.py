@@ -81,11 +81,16 @@ HOST = [
     Variant("host-auto-bytes", "96B", "auto", host_memory="1MiB", transfer_cost=0.3),
 ]
 MEMENTO = [*ROWS, *RECURSION, *HOST]
-ALL = [LAX, *MEMENTO]
 # A smaller set for the costlier tests (dtypes, second order under vmap, ...): each
 # policy once, and the HSM and auto members through both executors.
 _FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll", "host-msm-2-3", "host-auto-third-inf"]
 FEW = [v for v in MEMENTO if v.name.replace("-rec", "") in _FEW]
+# One variant per way a state is stored: FEW (every executor, HSM, MSM, auto, unroll, the
+# host level) with ISM's internal states and a byte budget (sized from the dtypes). The
+# tests of dtypes and tree shapes (weak types, literal and None outputs, keys, leaves
+# without a reverse rule) take these; the budgets in between change the schedule, not
+# how a leaf is stored, and every variant runs the gradient tests.
+PATHS = [*FEW, *(v for v in ROWS if v.name in ("ism-over", "auto-bytes"))]
 
 
 def assert_close(a, b, rtol=1e-10, atol=1e-10, weak=False):
