@@ -82,9 +82,13 @@ HOST = [
 ]
 MEMENTO = [*ROWS, *RECURSION, *HOST]
 # A smaller set for the costlier tests (dtypes, second order under vmap, ...): each
-# policy once, and the HSM and auto members through both executors.
-_FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll", "host-msm-2-3", "host-auto-third-inf"]
-FEW = [v for v in MEMENTO if v.name.replace("-rec", "") in _FEW]
+# policy once, and the HSM members through both executors. (Auto through the recursion
+# plans HSM, the program of hsm-rec-unroll without the unroll: it runs the gradient tests.)
+_FEW = [
+    "hsm-1", "hsm-rec-1", "msm-third", "auto-third", "hsm-unroll", "hsm-rec-unroll",
+    "host-msm-2-3", "host-auto-third-inf",
+]  # fmt: skip
+FEW = [v for v in MEMENTO if v.name in _FEW]
 # One variant per way a state is stored: FEW (every executor, HSM, MSM, auto, unroll, the
 # host level) with ISM's internal states and a byte budget (sized from the dtypes). The
 # tests of dtypes and tree shapes (weak types, literal and None outputs, keys, leaves

@@ -55,7 +55,8 @@ def close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("host", [1, 2, 7, math.inf])
+# One host slot, a few, unbounded (2 host slots planned as 1 and 7 do, between them).
+@pytest.mark.parametrize("host", [1, 7, math.inf])
 @pytest.mark.parametrize("memory", [1, 2, 4])
 @pytest.mark.parametrize("cost", [0.1, (3.0, 0.5)])
 @pytest.mark.parametrize("policy", ["hsm", "auto"])

@@ -158,8 +158,10 @@ def _generic_step(c, x):
     return tuple(out), (y, jnp.zeros((0, 3)))
 
 
+# One slot, a few, and far above need (the capped pools); a third of the 30 steps (10)
+# made the same pools as 3 at another size.
 @pytest.mark.parametrize("case", list(_carry_cases()))
-@pytest.mark.parametrize("memory", [1, 3, 10, 10**6])
+@pytest.mark.parametrize("memory", [1, 3, 10**6])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_leaves_of_every_size_and_kind(case, memory, policy):
     init = _carry_cases()[case]()
