@@ -113,15 +113,12 @@ def test_reverse_over_reverse_through_checkpoint_names_memento(case):
 def test_forward_over_reverse_stays_exact(case):
     f, _ = LOSSES[case]
     ref = _reference(case)
-    want = (
-        jax.hessian(ref)(0.7), jax.jacfwd(jax.jacrev(ref))(0.7),
-        jax.jvp(jax.grad(ref), (0.7,), (1.3,)),
-    )  # fmt: skip
+    # (jax.hessian is jacfwd of jacrev: one of the two.)
+    want = jax.hessian(ref)(0.7), jax.jvp(jax.grad(ref), (0.7,), (1.3,))
     for wrap in (lambda g: g, jax.checkpoint, jax.jit):
         g = wrap(f)
         assert_close(jax.hessian(g)(0.7), want[0])
-        assert_close(jax.jacfwd(jax.jacrev(g))(0.7), want[1])
-        assert_close(jax.jvp(jax.grad(g), (0.7,), (1.3,)), want[2])
+        assert_close(jax.jvp(jax.grad(g), (0.7,), (1.3,)), want[1])
     # under vmap, and third order by forward mode over it
     a = jnp.array([0.3, 0.7, -1.2])
     assert_close(jax.vmap(jax.hessian(f))(a), jax.vmap(jax.hessian(ref))(a))
