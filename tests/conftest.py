@@ -5,10 +5,17 @@ from pathlib import Path
 
 import pytest
 
-# The suite runs with memento's device-side invariant checks on (`memento.loops._pool.
-# checks_enabled`): a stored state loaded from the wrong place fails loudly, not as a
-# slightly wrong gradient. MEMENTO_CHECKS=0 runs it as users do by default.
+# The executors' tests (tests/loops, tests/conformance, and the multi-device runs the
+# subprocesses start) run with memento's device-side invariant checks on (`memento.loops.
+# _pool.checks_enabled`): a stored state loaded from the wrong place fails loudly, not as
+# a slightly wrong gradient. The other tests (Diffrax, meta-learning, examples, docs,
+# benchmarks) run as users do by default, checks off: they compare gradients with
+# references too, and compile faster. MEMENTO_CHECKS=0 or 1 set outside applies to all.
+_CHECKS_SET = "MEMENTO_CHECKS" in os.environ
 os.environ.setdefault("MEMENTO_CHECKS", "1")
+_CHECKED = {"loops", "conformance", "sharding"} | {
+    f"test_{name}.py" for name in ("sharding", "trust_sharding", "multihost")
+}
 
 # The examples' helpers and the benchmarks' models and tasks (memento_bench) are not part
 # of the memento package; the tests import them from the checkout.
@@ -32,6 +39,14 @@ def pytest_runtest_setup(item):
         from jax.experimental import enable_x64
 
         jax.enable_x64 = enable_x64
+
+
+@pytest.fixture(autouse=True)
+def _checks_where_the_executors_are_tested(request, monkeypatch):
+    top = Path(str(request.node.path)).relative_to(_ROOT / "tests").parts[0]
+    if not _CHECKS_SET and top not in _CHECKED:
+        monkeypatch.setenv("MEMENTO_CHECKS", "0")
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -81,11 +81,19 @@ HOST = [
     Variant("host-auto-bytes", "96B", "auto", host_memory="1MiB", transfer_cost=0.3),
 ]
 MEMENTO = [*ROWS, *RECURSION, *HOST]
-ALL = [LAX, *MEMENTO]
-# A smaller set for the costlier tests (dtypes, second order under vmap, ...): each
-# policy once, and the HSM and auto members through both executors.
-_FEW = ["hsm-1", "msm-third", "auto-third", "hsm-unroll", "host-msm-2-3", "host-auto-third-inf"]
-FEW = [v for v in MEMENTO if v.name.replace("-rec", "") in _FEW]
+# A smaller set for the costlier tests (vmap, second order, complex and low precision,
+# ...): each executor (rows, recursion, host level) at one slot and with unroll, MSM's
+# rows and the host level's. Auto runs the program of the policy it picks (through the
+# recursion, HSM's): auto-third and its twin run the gradient tests, and auto the PATHS.
+_FEW = ["hsm-1", "hsm-rec-1", "msm-third", "hsm-unroll", "hsm-rec-unroll", "host-msm-2-3"]
+FEW = [v for v in MEMENTO if v.name in _FEW]
+# One variant per way a state is stored: FEW with ISM's internal states, auto planning
+# from a byte budget (sized from the dtypes) and auto over an unbounded host level. The
+# tests of dtypes and tree shapes (weak types, literal and None outputs, keys, leaves
+# without a reverse rule) take these; the budgets in between change the schedule, not
+# how a leaf is stored, and every variant runs the gradient tests.
+_PATHS = ("ism-over", "auto-bytes", "host-auto-third-inf")
+PATHS = [*FEW, *(v for v in MEMENTO if v.name in _PATHS)]
 
 
 def assert_close(a, b, rtol=1e-10, atol=1e-10, weak=False):

@@ -6,6 +6,8 @@ scalar leaves, mixed dtypes, NaN / inf / -0.0 in values and cotangents, budget t
 every executor (`memento.scan`'s ``executor=``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +34,9 @@ def _scan(memory, policy="auto", executor="auto"):
 
 
 def _runs(policy):
-    # (policy, executor) pairs that exist: the recursion runs HSM (and auto, as HSM).
-    return [(policy, "rows")] + ([(policy, "recursion")] if policy in ("hsm", "auto") else [])
+    # (policy, executor) pairs that exist: the recursion runs HSM. (It runs auto as HSM too,
+    # the very program of policy="hsm": the auto cases take the rows.)
+    return [(policy, "rows")] + ([(policy, "recursion")] if policy == "hsm" else [])
 
 
 def _tanh_rnn_grad(scan, T=1000, dtype=jnp.float64):
@@ -48,15 +51,21 @@ def _tanh_rnn_grad(scan, T=1000, dtype=jnp.float64):
     return jax.grad(loss)(jnp.linspace(-1, 1, T, dtype=dtype))
 
 
+# lax.scan's gradient, computed once for the tests that compare with it (float64).
+_lax_tanh_rnn_grad = functools.cache(lambda: _tanh_rnn_grad(lax.scan))
+
+
 # -- budgets above need (issue: packed depths wrapped in int32) -----------------------------
 
-BIG = ["16MiB", "64MiB", "256MiB", "1GiB", "1TiB", 2_000_000, 2_200_000, 2**40]
+# The first report (16MiB), slot counts either side of 2^21, and terabytes; the sizes
+# between 16MiB and 1TiB (64MiB to 1GiB) were the same string budgets, all capped alike.
+BIG = ["16MiB", "1TiB", 2_000_000, 2_200_000, 2**40]
 
 
 @pytest.mark.parametrize("memory", BIG)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_budgets_far_above_need_are_exact(memory, policy):
-    want = _tanh_rnn_grad(lax.scan)
+    want = _lax_tanh_rnn_grad()
     for pol, executor in _runs(policy):
         got = _tanh_rnn_grad(_scan(memory, pol, executor))
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
@@ -158,8 +167,13 @@ def _generic_step(c, x):
     return tuple(out), (y, jnp.zeros((0, 3)))
 
 
+# One slot, a few, and far above need (the capped pools); a third of the 30 steps (10)
+# made the same pools as 3 at another size.
+_LAX_GRADS = {}
+
+
 @pytest.mark.parametrize("case", list(_carry_cases()))
-@pytest.mark.parametrize("memory", [1, 3, 10, 10**6])
+@pytest.mark.parametrize("memory", [1, 3, 10**6])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_leaves_of_every_size_and_kind(case, memory, policy):
     init = _carry_cases()[case]()
@@ -181,7 +195,9 @@ def test_leaves_of_every_size_and_kind(case, memory, policy):
 
         return jax.grad(of, argnums=(0, 1))([init[i] for i in floats], xs)
 
-    want = grads(lax.scan)
+    if case not in _LAX_GRADS:  # lax.scan's, once per carry
+        _LAX_GRADS[case] = grads(lax.scan)
+    want = _LAX_GRADS[case]
     for pol, executor in _runs(policy):
         try:
             got = grads(_scan(memory, pol, executor))
