@@ -452,6 +452,6 @@ def test_no_xs_cotangent_buffer_when_only_weights_are_differentiated():
     def rows(num_steps):  # the schedule's rows: run-time data, not constants (issue 20)
         return compile_schedule(memento.plan(num_steps, 10, policy="hsm")).runtime_bytes
 
-    # Only ys' cotangent (one float64 per step) and the schedule's rows (about 74 B a step
+    # Only ys' cotangent (one float64 per step) and the schedule's rows (about 62 B a step
     # here) may grow with T, not one x (512 B) per step.
     assert temp(4000) - temp(2000) <= 2000 * 8 * 2 + rows(4000) - rows(2000)

@@ -332,7 +332,6 @@ def _corrupt(monkeypatch, what):
         if what == "load":  # every hidden load reads the first hidden slot
             rows = prog.primal_rows.copy()
             rows[(rows[:, 0] == 3) & (rows[:, 1] > 0), 1] = 0  # LOAD_HIDDEN branch
-            rows[rows[:, 6] > 0, 6] = 0  # the loads folded into the next row
             return dataclasses.replace(prog, primal_rows=rows)
         rows = prog.backward_rows.copy()  # a stored backward reads another step's state
         stored = np.flatnonzero(rows[:, 0] == 0)

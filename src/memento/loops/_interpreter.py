@@ -79,11 +79,9 @@ class Program:
             sweep, or ``(-1, -1)``.
         fused_last: whether step t-1 is back-propagated fused (its residuals then go from
             the forward pass to the backward pass as the working state).
-        primal_rows: ``(n, 8)`` rows ``(branch, a, b, pos, sa, sb, la, lb)`` run in the
-            backward pass: ``(a, b) = (nh, ni)`` for saves and loads (``(-1, 0)``:
-            ``h_0``), ``a`` the count of an advance; a hidden load ``(la, lb)`` (``la =
-            -2``: none) and a hidden save ``(sa, sb)`` (``sa = -1``: none) run first, in
-            that order, folded in from the rows before (`_fold_pushes_and_loads`).
+        primal_rows: ``(n, 4)`` rows ``(branch, a, b, pos)`` run in the backward pass:
+            ``(a, b) = (nh, ni)`` for saves and loads (``(-1, 0)``: ``h_0``), ``a`` the
+            count of an advance.
         segment_end: ``(t,)``: for the k-th backward (step t-1-k), primal rows
             ``[segment_end[k-1], segment_end[k])`` run before it.
         backward_rows: ``(t, 4)``: ``(fused?, nh, ni, host?)`` of the k-th backward.
@@ -110,21 +108,10 @@ class Program:
 
     @property
     def runtime_bytes(self) -> int:
-        """Bytes of the schedule the program reads at run time (`runtime_arrays`): the
-        backward's rows and the first sweep's save tables. Device memory outside the
-        slots' budget (about 74 B a step for HSM at 10 slots)."""
-        n_sweep = self.num_steps - 1 if self.fused_last else self.num_steps
-        saves = sum(
-            int((a[:n_sweep, 0] >= 0).sum()) + 1  # and a sentinel
-            for a in (
-                self.save_hidden,
-                self.save_internal,
-                self.host_save_hidden,
-                self.host_save_internal,
-            )
-        )
-        rows = self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
-        return rows + 3 * 4 * saves  # (position, nh, ni) per save, int32
+        """Bytes of the rows the backward pass reads at run time (`runtime_arrays`): device
+        memory outside the slots' budget, as the rows took as constants before (about
+        60 B a step for HSM at 10 slots). The sweep's saves add O(slots)."""
+        return self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
 
     @property
     def has_host(self) -> bool:
@@ -204,14 +191,11 @@ def compile_schedule(schedule: Schedule) -> Program:
     # Number of primal rows before each backward row (after the first): its index in the
     # rest of the rows less the backward rows before it.
     segment_end = (bw - first_bw - np.arange(len(bw))).astype(np.int32)
-    primal_rows = np.empty((len(prim), 8), np.int32)
+    primal_rows = np.empty((len(prim), 4), np.int32)
     primal_rows[:, 0] = _BRANCH[op[prim]]
     primal_rows[:, 1] = a[prim]
     primal_rows[:, 2] = b[prim]
     primal_rows[:, 3] = pos[prim]
-    primal_rows[:, 4:6] = -1  # no push first
-    primal_rows[:, 6:8] = -2  # no load first
-    primal_rows, segment_end = _fold_pushes_and_loads(op[prim], prim, primal_rows, segment_end)
     backward_rows = np.empty((len(bw), 4), np.int32)
     backward_rows[:, 0] = op[bw] == Op.BACKWARD_FUSED
     backward_rows[:, 1] = a[bw]
@@ -256,43 +240,6 @@ def runtime_arrays(arrays) -> list:
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     out = jax.pure_callback(lambda: arrays, shapes, vmap_method="broadcast_all")
     return list(out)
-
-
-def _fold_pushes_and_loads(ops, index, rows, segment_end):
-    """Folds each device hidden save (a push) and hidden load (a pop's reload) into the
-    row after it, when that row runs from the same position in the same segment and does
-    something else (an advance, a step saving its internal state, a host or internal
-    load or save): that row then loads, then saves, then acts, in one iteration of the
-    backward's row loop instead of two or three (GitHub issue 20: on a GPU each
-    iteration costs several microseconds). The folded load is a select, the folded save
-    a masked write, as the rows' own are: no branch is added.
-
-    Args:
-        ops: the opcodes of the primal rows; ``index``: their indices among all rows
-            (adjacent indices: no backward between them).
-        rows: ``(n, 8)`` primal rows, columns 4-5 the place of the folded save (``-1``:
-            none), 6-7 that of the folded load (``-2``: none; ``(-1, 0)``: ``h_0``).
-
-    Returns:
-        The rows left and ``segment_end`` counted in them.
-    """
-    n = len(rows)
-    if n < 2:
-        return rows, segment_end
-    plain = (ops != Op.SAVE_HIDDEN) & (ops != Op.LOAD_HIDDEN)
-    nxt = np.arange(1, n)
-    foldable = (
-        (index[1:] == index[:-1] + 1) & (rows[1:, 3] == rows[:-1, 3]) & plain[1:]
-    )  # the next row: same segment, same position, an action
-    folded = np.zeros(n, bool)
-    for code, cols, to in ((Op.SAVE_HIDDEN, (1, 2), (4, 5)), (Op.LOAD_HIDDEN, (1, 2), (6, 7))):
-        src = np.flatnonzero((ops[:-1] == code) & foldable)
-        rows[nxt[src], to[0]] = rows[src, cols[0]]
-        rows[nxt[src], to[1]] = rows[src, cols[1]]
-        folded[src] = True
-    # A row before a folded one moves up by the rows folded before it.
-    removed = np.concatenate([[0], np.cumsum(folded)])
-    return rows[~folded], (segment_end - removed[segment_end]).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -682,9 +629,6 @@ def run_backward(
     track = layout.tagged
     ADV = _BRANCH[Op.ADVANCE]
 
-    folds_save = bool((prog.primal_rows[:, 4] >= 0).any())
-    folds_load = bool((prog.primal_rows[:, 6] >= -1).any())
-
     def run_primal(c, slots, lo, hi, cur):
         if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
             return c, slots, cur
@@ -697,25 +641,6 @@ def run_backward(
             # Each entry read on its own, as the sweep scans its columns one by one.
             branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 3]
             at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
-            # A folded hidden load, then a folded push, before the row's own action.
-            if folds_load:
-                load_at = (primal_rows[pc, 6], primal_rows[pc, 7])
-                loads_first = load_at[0] >= -1
-                loaded = layout.load_hidden(slots, init, load_at, pos=pos, active=loads_first)
-                c = [
-                    _pool.from_storage(
-                        _pool.pick(loads_first, _pool.to_storage(x, v), _pool.to_storage(y, v)),
-                        v,
-                    )
-                    for x, y, v in zip(loaded, c, body.carry_avals)
-                ]
-                if track:
-                    cur = jnp.where(loads_first, pos, cur)
-            if folds_save:
-                save_at = (primal_rows[pc, 4], primal_rows[pc, 5])
-                if track:
-                    _pool.check((save_at[0] < 0) | (cur == pos), "a push is not h_pos")
-                slots = layout.save_hidden(slots, save_at, c, save_at[0] >= 0, pos=pos)
             if SAVE_I in rows_ops:
                 c, slots = lax.cond(
                     branch == SAVE_I,
