@@ -418,9 +418,7 @@ class _Buffer(jax.Array):
             return self._array
         array = self._array
         for index, value, pred in self.writes:
-            if pred is not None:
-                value = jnp.where(pred, value, array[index])
-            array = array.at[index].set(value)
+            array = _write(array, index, value, pred)
         return array
 
     def threaded_as(self, array) -> _Buffer:
@@ -493,9 +491,7 @@ class _BufferWrite:
                     f"{pred.dtype}{list(pred.shape)}."
                 )
         if b.threaded:  # written by a nested loop already: write on its array
-            old = b.thread()
-            value = value if pred is None else jnp.where(pred, value, old[index])
-            return b.threaded_as(old.at[index].set(value))
+            return b.threaded_as(_write(b.thread(), index, value, pred))
         return _Buffer(
             b.number,
             b._aval,
@@ -537,6 +533,13 @@ def _refuse_reading_outer_buffers(cond_jaxpr, is_buffer, outer) -> None:
 _WHOLE = -1
 
 
+def _write(array, index, value, pred=None) -> jax.Array:
+    """``array.at[index].set(value)``, or, with a predicate, only where it holds."""
+    if pred is not None:
+        value = jnp.where(pred, value, array[index])
+    return array.at[index].set(value)
+
+
 def _apply_writes(bufs, ys, write_spec) -> list:
     """The buffers after one step's writes (``ys``: per write, its index leaves, its value
     and, for a conditional write, its predicate)."""
@@ -547,9 +550,7 @@ def _apply_writes(bufs, ys, write_spec) -> list:
             bufs[j], k = ys[k], k + 1
             continue
         index, value = tuple(ys[k : k + n_idx]), ys[k + n_idx]
-        if conditional:
-            value = jnp.where(ys[k + n_idx + 1], value, bufs[j][index])
-        bufs[j] = bufs[j].at[index].set(value)
+        bufs[j] = _write(bufs[j], index, value, ys[k + n_idx + 1] if conditional else None)
         k += n_idx + 1 + conditional
     return bufs
 
