@@ -189,18 +189,20 @@ def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
 # Slots: one stack per carry leaf, with a leading slot axis
 
 
-def _hidden_pools(avals, num_slots: int) -> _pool.Pools:
+def _hidden_pools(avals, num_slots: int, *, host: bool = False) -> _pool.Pools:
     """The pools of ``num_slots`` carries: `memento.loops._pool`'s one slot layout, with
     hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``), tagged
     with their positions in debug mode (`_pool.checks_enabled`)."""
     return _pool.Pools.of(
-        tuple(avals), (), np.array([[num_slots, 0]]), tagged=_pool.checks_enabled()
+        tuple(avals), (), np.array([[num_slots, 0]]), tagged=_pool.checks_enabled(), host=host
     )
 
 
-def allocate(avals, num_slots: int) -> list:
-    """Zeroed pools for ``num_slots`` carries (`_pool.Pools`)."""
-    return _hidden_pools(avals, num_slots).allocate()
+def allocate(avals, num_slots: int, *, host: bool = False, place: bool = True) -> list:
+    """Zeroed pools for ``num_slots`` carries (`_pool.Pools`); ``host``: in host memory
+    where there is one and ``place`` (`_pool.Pools.allocate`). `write` and `load_hidden`
+    copy to and from pools that lie on the host."""
+    return _hidden_pools(avals, num_slots, host=host).allocate(place=place)
 
 
 def write(stacks, index, values, avals, when=None, *, pos: int | jax.Array = 0) -> list:
@@ -263,23 +265,29 @@ def backward(
     take_cts: Callable,
     give_cts: Callable,
     unroll: int = 1,
+    first: int | jax.Array = 0,
 ):
-    """Back-propagates steps ``last`` .. 0 by the binomial recursion over the kept stack.
+    """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the kept
+    stack.
 
     Args:
         body: the step, already restricted to what is differentiated.
         slots: the budget in carries, ``h_0`` included (the stacks hold ``slots - 1``).
-        consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none).
+        consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none);
+            ``init`` is ``h_first``.
         stacks: the slot stacks, slot ``d - 1`` holding the carry at stack depth ``d``,
-            ``1 <= d <= depth`` (depth 0 is ``h_0``, the caller's); ``stack_pos[d]`` its
-            position (an int32 array of length ``slots``, ``stack_pos[0] = 0``). A carry
-            above step ``last`` is popped.
+            ``1 <= d <= depth`` (depth 0 is ``init``, the caller's); ``stack_pos[d]`` its
+            position (an int32 array of length ``slots``, ``stack_pos[0] = first``). A
+            carry above step ``last`` is popped.
         last: the first step to back-propagate (a traced or static int; -1: none).
         ct_c, ct_k: cotangents of the carry ``h_{last+1}`` and accumulated ones of the
             float consts.
         aux: loop state of the caller's own cotangents, threaded through:
             ``take_cts(e, ys, aux) -> (ct_y, aux)`` gives step e's output cotangents and
             ``give_cts(e, ct_x, aux) -> aux`` takes its input ones.
+        first: the last step to back-propagate (a traced or static int): ``h_first`` is
+            ``init``. `memento.while_loop` with a host level runs the recursion once per
+            interval between host checkpoints, from the interval's first carry.
 
     Returns:
         ``(ct_k, ct_init, aux)``.
@@ -302,9 +310,9 @@ def backward(
     def next_push(e, p, depth):
         # Where the recursion pushes next from h_p with the stack at ``depth``: only while
         # three or more steps remain (at two a push saves no evaluation) and a slot is
-        # free. Before step e, e >= 0: under vmap a member that is done keeps running
+        # free. Before step e, e >= first: under vmap a member that is done keeps running
         # (its results discarded) until the last member is; it must not push.
-        ok = (e >= 0) & (e - p + 1 >= 3) & (slots - depth >= 2)
+        ok = (e >= first) & (e - p + 1 >= 3) & (slots - depth >= 2)
         # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
         y = split(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
         return _pick(ok, p + y, never)
@@ -342,7 +350,7 @@ def backward(
         return e - 1, stacks, stack_pos, depth, ct_c, ct_k, aux
 
     state = (last, stacks, stack_pos, depth, list(ct_c), list(ct_k), aux)
-    state = lax.while_loop(lambda s: s[0] >= 0, step, state)
+    state = lax.while_loop(lambda s: s[0] >= first, step, state)
     return state[5], state[4], state[6]
 
 

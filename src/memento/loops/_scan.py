@@ -387,33 +387,42 @@ def check_executor(name: str, executor, policy: Policy) -> Executor:
 HostBudget = tuple[int | float | Bytes, tuple[float, float]] | None
 
 
+def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
+    """``host_memory=`` as given, validated: ``None``, an int number of host slots
+    (``>= 0``), `Bytes` (a size string or `memento.bytes_budget`) or ``math.inf``.
+
+    Raises:
+        TypeError: anything else (a float other than ``math.inf``, a bool).
+        ValueError: a negative number of slots, an unreadable size string.
+    """
+    if isinstance(host_memory, str | Bytes):
+        return parse_memory(host_memory, name=name)
+    if isinstance(host_memory, float) and host_memory == math.inf:
+        return math.inf
+    if host_memory is None:
+        return None
+    n = _as_int(host_memory)
+    if n is None:
+        raise TypeError(
+            f"{name}: host_memory must be None, an int number of carry-sized host "
+            "slots, a size string such as '16GiB', memento.bytes_budget(n) or "
+            f"math.inf; got {host_memory!r}."
+        )
+    if n < 0:
+        raise ValueError(
+            f"{name}: host_memory={n} slots is negative; pass 0 or None for no "
+            "host level, or a number of host slots (math.inf: unbounded)."
+        )
+    return n
+
+
 def check_host_memory(
     name: str, host_memory, transfer_cost, memory, policy: Policy, executor: Executor
 ) -> HostBudget:
     """``host_memory=`` and ``transfer_cost=`` validated at the boundary: ``None`` for one
     level, else ``(host, (write, read))`` with ``host`` slots, `Bytes` or ``math.inf``."""
-    if isinstance(host_memory, str | Bytes):
-        host: int | float | Bytes = parse_memory(host_memory, name=name)
-        probe = 1  # validates transfer_cost below
-    else:
-        if isinstance(host_memory, float) and host_memory == math.inf:
-            probe = host = math.inf
-        elif host_memory is None:
-            probe = host = None  # pyright: ignore[reportAssignmentType]
-        else:
-            n = _as_int(host_memory)
-            if n is None:
-                raise TypeError(
-                    f"{name}: host_memory must be None, an int number of carry-sized host "
-                    "slots, a size string such as '16GiB', memento.bytes_budget(n) or "
-                    f"math.inf; got {host_memory!r}."
-                )
-            if n < 0:
-                raise ValueError(
-                    f"{name}: host_memory={n} slots is negative; pass 0 or None for no "
-                    "host level, or a number of host slots (math.inf: unbounded)."
-                )
-            probe = host = n
+    host = parse_host_memory(name, host_memory)
+    probe = 1 if isinstance(host, Bytes) else host  # validates transfer_cost below
     _, pair, _ = check_host(name, "hsm", probe, transfer_cost, "step")
     if not host:
         return None
@@ -436,27 +445,34 @@ def check_host_memory(
     return host, pair
 
 
-def _host_slots(host: HostBudget, carry_bytes: int, *, name: str):
-    """``(slots or math.inf, (write, read))`` of a validated host budget, or None.
+def host_slots(budget: int | float | Bytes, carry_bytes: int, *, name: str) -> int | float:
+    """Carry-sized host slots (or ``math.inf``) of a budget from `parse_host_memory`;
+    0 for a byte budget of 0 bytes.
 
     Raises:
         ValueError: a byte budget that holds no carry (a host level that could never be
             used; ask for ``None`` or 0 to plan one level).
     """
+    if not isinstance(budget, Bytes):
+        return budget
+    if budget.num_bytes == 0:
+        return 0
+    slots = budget.num_bytes // max(carry_bytes, 1)
+    if slots < 1:
+        raise ValueError(
+            f"{name}: host_memory={budget.num_bytes} bytes holds no carry "
+            f"({carry_bytes} bytes); raise it, or pass None for no host level."
+        )
+    return slots
+
+
+def _host_slots(host: HostBudget, carry_bytes: int, *, name: str):
+    """``(slots or math.inf, (write, read))`` of a validated host budget, or None."""
     if host is None:
         return None
     budget, pair = host
-    if isinstance(budget, Bytes):
-        if budget.num_bytes == 0:
-            return None
-        slots = budget.num_bytes // max(carry_bytes, 1)
-        if slots < 1:
-            raise ValueError(
-                f"{name}: host_memory={budget.num_bytes} bytes holds no carry "
-                f"({carry_bytes} bytes); raise it, or pass None for no host level."
-            )
-        budget = slots
-    return budget, pair
+    slots = host_slots(budget, carry_bytes, name=name)
+    return (slots, pair) if slots else None
 
 
 def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
