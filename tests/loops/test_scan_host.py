@@ -124,13 +124,6 @@ def test_bad_input_is_a_clear_error(kw, match, error):
         jax.grad(loss, argnums=2)(lambda f, c, x: memento.scan(f, c, x, **kw), init, xs)
 
 
-def test_while_loop_refuses_host_memory_for_now():
-    with pytest.raises(
-        NotImplementedError, match=r"memento\.while_loop: host_memory= .* not supported yet"
-    ):
-        memento.while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, memory=2, host_memory=4)
-
-
 # -- placement: the lowered module for a GPU, on the CPU -----------------------------------
 
 

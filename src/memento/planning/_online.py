@@ -261,14 +261,25 @@ def checkpoints_at(events: OnlineEvents, num_steps: int) -> list[int]:
     return [0, *sorted(held.values())]
 
 
-def online_evaluations(memory: int, num_steps: int, cap: int = DEFAULT_CAP) -> int:
+def online_evaluations(
+    memory: int, num_steps: int, cap: int = DEFAULT_CAP, host_memory: int = 0
+) -> int:
     """Forward evaluations of `memento.while_loop` for ``num_steps`` steps, sweep included.
 
     This is what the executor runs: n primal steps forward, then the kept segments
     reversed last first by the HSM recursion with the slots left (module docstring).
+
+    With ``host_memory`` (``H >= 1`` host slots, ``h_0`` not among them): the loop keeps
+    its carries in the host slots by the same policy for ``H + 1`` slots, and reverses
+    each host segment from its first carry with all ``memory`` device slots, so
+    ``n + sum_i C_hsm(L_i, memory)``; ``2n`` (nothing recomputed) when the host keeps
+    every carry (``H >= cap``).
     """
     n = num_steps
     if n <= 0:
         return 0
+    if host_memory:
+        ps = [*checkpoints_at(online_events(min(host_memory, cap) + 1, cap), n), n]
+        return n + sum(_cost(ps[i + 1] - ps[i], memory) for i in range(len(ps) - 1))
     ps = [*checkpoints_at(online_events(memory, cap), n), n]
     return n + sum(_cost(ps[i + 1] - ps[i], memory - i) for i in range(len(ps) - 1))

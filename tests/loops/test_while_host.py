@@ -1,0 +1,334 @@
+"""memento.while_loop with a host level (host_memory=): gradients, evaluations, placement.
+
+The forward pass keeps its online checkpoints in host slots; the backward pass reverses
+each host interval from its first carry, copied back, by the device recursion. Checked
+here against the unrolled loop in float64: host budgets from one slot to every carry,
+device budgets from one slot, loops that stop early, after 0 or 1 step or at max_steps;
+the body evaluations against `planning.online_evaluations`; vmap with members stopping
+at their own steps; a nested loop writing an outer buffer; forward over reverse; the
+placement of the host slots, by lowering for a GPU platform on the CPU; the errors.
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memento
+from memento import planning
+
+H = 3
+MAX = 12
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def params(seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    w = jax.random.normal(k[0], (H, H), jnp.float64) * 0.6
+    b = jax.random.normal(k[1], (H,), jnp.float64)
+    h0 = jax.random.normal(k[2], (H,), jnp.float64)
+    return w, b, h0
+
+
+def cell(w, b, h):
+    return jnp.tanh(w @ h + b)
+
+
+def loss_while(w, b, h0, n, *, memory, host, max_steps=MAX):
+    """A pytree carry with an int leaf, w closed over by the body, the stopping count n
+    (traced) by the predicate."""
+
+    def body(s):
+        i, (h, acc) = s
+        h = cell(w, b, h)
+        return i + 1, (h, acc + jnp.sum(h) * 0.1)
+
+    i, (h, acc) = memento.while_loop(
+        lambda s: s[0] < n, body, (0, (h0, 0.0)), max_steps=max_steps, memory=memory,
+        host_memory=host,
+    )  # fmt: skip
+    return jnp.sum(jnp.sin(h)) + acc**2, i
+
+
+@functools.cache
+def reference(n):
+    """The gradient of the loop unrolled for n steps (a ``lax.scan`` of fixed length)."""
+
+    def loss(w, b, h0):
+        def step(c, _):
+            h, acc = c
+            h = cell(w, b, h)
+            return (h, acc + jnp.sum(h) * 0.1), None
+
+        (h, acc), _ = lax.scan(step, (h0, 0.0), None, length=n)
+        return jnp.sum(jnp.sin(h)) + acc**2
+
+    return jax.grad(loss, argnums=(0, 1, 2))(*params())
+
+
+def assert_close(a, b, tol=1e-12):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def _placements(text: str, where: str) -> int:
+    pattern = r'annotate_device_placement.*_xla_buffer_placement = "' + where + '"'
+    return len(re.findall(pattern, text))
+
+
+def _cuda_text(f, *args):
+    """The module of ``jax.jit(f)`` lowered for a GPU (host placement shows there)."""
+    try:
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # pragma: no cover - a jaxlib that cannot lower for cuda
+        pytest.skip(f"this jaxlib cannot lower for cuda on this machine: {type(e).__name__}: {e}")
+
+
+GRAD = jax.jit(
+    jax.grad(loss_while, argnums=(0, 1, 2), has_aux=True),
+    static_argnames=("memory", "host", "max_steps"),
+)
+
+
+# With memory=4 and one host slot the loop runs on the device alone (fewer host slots
+# than device ones; see test_few_host_slots_leave_the_device_loop_as_it_is), so that
+# case is the one-level loop's: still checked.
+@pytest.mark.parametrize("host", [1, 3, math.inf])
+@pytest.mark.parametrize("memory", [1, 2, 4])
+def test_gradients_equal_unrolled(host, memory):
+    w, b, h0 = params()
+    for n in (0, 1, 2, 7, MAX, 40):  # 40 stops at max_steps
+        g, i = GRAD(w, b, h0, n, memory=memory, host=host)
+        assert int(i) == min(n, MAX)
+        assert_close(g, reference(min(n, MAX)))
+
+
+def counting_loss(counts, *, memory, host, max_steps):
+    w, b, _ = params()
+
+    def bump():
+        counts[0] += 1
+
+    def body(s):
+        i, h = s
+        jax.debug.callback(bump)
+        return i + 1, cell(w, b, h)
+
+    @jax.jit
+    def grad(h0, n):
+        def loss(h0):
+            _, h = memento.while_loop(
+                lambda s: s[0] < n, body, (0, h0), max_steps=max_steps, memory=memory,
+                host_memory=host,
+            )  # fmt: skip
+            return jnp.sum(h)
+
+        return jax.grad(loss)(h0)
+
+    return grad
+
+
+@pytest.mark.parametrize("host, memory", [(1, 1), (3, 2), (3, 4), (8, 3), (math.inf, 3)])
+def test_evaluations_equal_the_two_level_model(host, memory):
+    # n forward, then each host interval reversed with `memory` device slots: with every
+    # carry on the host, 2n (each step once forward, once in its VJP: nothing recomputed).
+    max_steps = 60
+    counts = [0]
+    grad = counting_loss(counts, memory=memory, host=host, max_steps=max_steps)
+    h0 = params()[2]
+    for n in (0, 1, 2, 9, 33, 60):
+        counts[0] = 0
+        jax.block_until_ready(grad(h0, n))
+        if host == math.inf:
+            assert counts[0] == 2 * n, n
+        else:
+            model = planning.online_evaluations(memory, n, max_steps, host_memory=host)
+            assert counts[0] == model, (n, counts[0], model)
+            # Never more than recomputing every interval from h_0 alone would cost.
+            assert counts[0] <= planning.online_evaluations(1, n, max_steps)
+
+
+def test_few_host_slots_leave_the_device_loop_as_it_is(monkeypatch):
+    # A host level runs only when it keeps as many carries as the device would
+    # (host_memory >= memory - 1); below, and with host_memory 0 or None, the program
+    # is the one-level loop's.
+    monkeypatch.delenv("MEMENTO_CHECKS", raising=False)  # no checks' callbacks to lower
+    w, b, h0 = params()
+
+    def text(**kw):
+        return _cuda_text(jax.grad(lambda h0: loss_while(w, b, h0, 5, **kw)[0]), h0)
+
+    one = text(memory=5, host=None)
+    assert "pinned_host" not in one
+    assert text(memory=5, host=0) == one
+    assert text(memory=5, host=3) == one
+    assert "pinned_host" in text(memory=5, host=4)
+    assert "pinned_host" in text(memory=5, host=memento.bytes_budget(4 * (3 * 8 + 2 * 8)))
+    # A device budget that keeps every carry needs no host level.
+    assert "pinned_host" not in text(memory=MAX + 1, host=math.inf)
+
+
+def test_vmap_members_stop_at_their_own_steps():
+    w, b, h0 = params()
+    ns = jnp.array([0, 3, 11, 5, 1])
+    h0s = jnp.stack([h0, -h0, 2 * h0, h0 + 1, 0.5 * h0])
+
+    def one(h0, n):
+        return jax.grad(loss_while, argnums=(0, 2), has_aux=True)(
+            w, b, h0, n, memory=2, host=2, max_steps=MAX
+        )
+
+    (gw, gh), i = jax.jit(jax.vmap(one))(h0s, ns)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(ns))
+    for k, n in enumerate(ns.tolist()):
+
+        def ref(w, h0, n=n):
+            h, acc = h0, 0.0
+            for _ in range(n):
+                h = cell(w, b, h)
+                acc = acc + jnp.sum(h) * 0.1
+            return jnp.sum(jnp.sin(h)) + acc**2
+
+        assert_close((gw[k], gh[k]), jax.grad(ref, argnums=(0, 1))(w, h0s[k]))
+
+
+ROWS = 20
+
+
+def nested_loss(w, b, h0, buf0, n, *, host=None, loop=None):
+    """Step k writes ``k % 3`` rows from a nested loop into the outer loop's buffer;
+    ``loop=None``: the same unrolled in Python (the reference)."""
+
+    def put(buf, j, v):
+        return buf.at[j].set(v)
+
+    def body(s, inner_loop):
+        k, h, j, buf = s
+        h = cell(w, b, h)
+
+        def inner(t):
+            i, j, buf = t
+            return i + 1, j + 1, put(buf, j, h * (i + 1.0) + b)
+
+        _, j, buf = inner_loop(lambda t: t[0] < k % 3, inner, (0, j, buf))
+        return k + 1, h, j, buf
+
+    init = (0, h0, 0, buf0)
+    if loop is None:
+
+        def python_loop(cond, f, t):
+            while cond(t):
+                t = f(t)
+            return t
+
+        s = init
+        while s[0] < n:
+            s = body(s, python_loop)
+    else:
+
+        def memento_inner(cond, f, t):
+            return memento.while_loop(cond, f, t, max_steps=2, memory=1, buffers=lambda t: t[2])
+
+        s = memento.while_loop(
+            lambda s: s[0] < n, lambda s: body(s, memento_inner), init, max_steps=MAX,
+            memory=2, host_memory=host, buffers=lambda s: s[3],
+        )  # fmt: skip
+    _, h, j, buf = s
+    weights = jnp.arange(1.0, 1.0 + buf.size).reshape(buf.shape) / buf.size
+    return jnp.sum(jnp.sin(buf) * weights) + jnp.sum(h**2) + j
+
+
+@pytest.mark.parametrize("host", [1, math.inf])
+def test_nested_loop_writes_an_outer_buffer(host):
+    w, b, h0 = params()
+    buf0 = jnp.full((ROWS, H), 0.5)
+    grad = jax.grad(nested_loss, argnums=(0, 1, 2, 3))
+    ours = jax.jit(functools.partial(grad, host=host, loop=True))
+    for n in (0, 9):
+        assert_close(ours(w, b, h0, buf0, n), grad(w, b, h0, buf0, n))
+
+
+def test_forward_over_reverse_and_truncation():
+    # jax.hessian: the host slots stay on the device under the outer jvp (as memento.scan's).
+    w, b, h0 = params()
+
+    def f(h0, host):
+        def body(s):
+            return s[0] + 1, cell(w, b, s[1])
+
+        (_, h), truncated = memento.while_loop(
+            lambda s: s[0] < 20, body, (0, h0), max_steps=6, memory=2, host_memory=host,
+            return_truncated=True,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(h)), truncated
+
+    def ref(h0):
+        for _ in range(6):
+            h0 = cell(w, b, h0)
+        return jnp.sum(jnp.sin(h0))
+
+    for host in (2, math.inf):
+        hess = jax.jit(jax.hessian(lambda h, host=host: f(h, host)[0]))(h0)
+        assert_close(hess, jax.hessian(ref)(h0))
+        assert bool(f(h0, host)[1])
+
+
+# -- placement: the lowered module for a GPU, on the CPU -----------------------------------
+
+
+@pytest.mark.parametrize("host", [None, 2, math.inf])
+def test_host_stores_and_loads_are_placed_on_the_host(monkeypatch, host):
+    # A one-leaf carry (the predicate reads it): one host pool, placed on the host; one
+    # store to it in the forward loop and one copy back in the backward one.
+    monkeypatch.delenv("MEMENTO_CHECKS", raising=False)  # no tags: one leaf per carry
+    W = jnp.eye(8) * 0.5
+    f = lambda h: jnp.tanh(W @ h + 0.1)
+
+    def loss(h0):
+        h = memento.while_loop(
+            lambda h: jnp.sum(h) > 0.2, f, h0, max_steps=30, memory=2, host_memory=host
+        )
+        return jnp.sum(h**2)
+
+    text = _cuda_text(jax.grad(loss), jnp.ones(8))
+    pools, stores, loads = (0, 0, 0) if host is None else (1, 1, 1)
+    assert _placements(text, "pinned_host") == pools + stores
+    assert _placements(text, "device") == loads
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(memory=2, host_memory=-1), ValueError, "host_memory=-1 slots is negative"),
+        (dict(memory=2, host_memory=math.inf), ValueError, "pass max_steps or a finite host_memory"),
+        (dict(memory=2, host_memory=4, transfer_cost=0.5), TypeError, "drop transfer_cost"),
+        (dict(memory=2, transfer_cost=0.5), TypeError, "drop transfer_cost"),
+        (dict(memory=None, max_steps=9, host_memory=4), ValueError, "needs a device budget"),
+        (dict(memory=2, host_memory=2.5), TypeError, "host_memory must be None, an int"),
+        (dict(memory=2, host_memory="1B"), ValueError, "host_memory=1 bytes holds no carry"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_clear_error(kw, error, match):
+    with pytest.raises(error, match=r"memento\.while_loop: .*" + re.escape(match)):
+        memento.while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0, **kw)
+
+
+def test_host_budgets_above_the_policy_cap_warn():
+    w, b, h0 = params()
+    with pytest.warns(UserWarning, match=r"host_memory=200 slots .* 128"):
+        g, i = GRAD(w, b, h0, 7, memory=2, host=200, max_steps=300)
+    assert int(i) == 7
+    assert_close(g, reference(7))
