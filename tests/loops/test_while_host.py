@@ -18,30 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from test_scan_host import _cuda_text, _placements
+from test_while_loop import (  # noqa: F401 (x64: float64, autouse)
+    ROWS,
+    H,
+    assert_close,
+    cell,
+    nested_saving_loss,
+    params,
+    x64,
+)
 
 import memento
 from memento import planning
 
-H = 3
 MAX = 12
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def params(seed=0):
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    w = jax.random.normal(k[0], (H, H), jnp.float64) * 0.6
-    b = jax.random.normal(k[1], (H,), jnp.float64)
-    h0 = jax.random.normal(k[2], (H,), jnp.float64)
-    return w, b, h0
-
-
-def cell(w, b, h):
-    return jnp.tanh(w @ h + b)
 
 
 def loss_while(w, b, h0, n, *, memory, host, max_steps=MAX):
@@ -74,24 +65,6 @@ def reference(n):
         return jnp.sum(jnp.sin(h)) + acc**2
 
     return jax.grad(loss, argnums=(0, 1, 2))(*params())
-
-
-def assert_close(a, b, tol=1e-12):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
-
-
-def _placements(text: str, where: str) -> int:
-    pattern = r'annotate_device_placement.*_xla_buffer_placement = "' + where + '"'
-    return len(re.findall(pattern, text))
-
-
-def _cuda_text(f, *args):
-    """The module of ``jax.jit(f)`` lowered for a GPU (host placement shows there)."""
-    try:
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # pragma: no cover - a jaxlib that cannot lower for cuda
-        pytest.skip(f"this jaxlib cannot lower for cuda on this machine: {type(e).__name__}: {e}")
 
 
 GRAD = jax.jit(
@@ -202,60 +175,25 @@ def test_vmap_members_stop_at_their_own_steps():
         assert_close((gw[k], gh[k]), jax.grad(ref, argnums=(0, 1))(w, h0s[k]))
 
 
-ROWS = 20
-
-
-def nested_loss(w, b, h0, buf0, n, *, host=None, loop=None):
-    """Step k writes ``k % 3`` rows from a nested loop into the outer loop's buffer;
-    ``loop=None``: the same unrolled in Python (the reference)."""
-
-    def put(buf, j, v):
-        return buf.at[j].set(v)
-
-    def body(s, inner_loop):
-        k, h, j, buf = s
-        h = cell(w, b, h)
-
-        def inner(t):
-            i, j, buf = t
-            return i + 1, j + 1, put(buf, j, h * (i + 1.0) + b)
-
-        _, j, buf = inner_loop(lambda t: t[0] < k % 3, inner, (0, j, buf))
-        return k + 1, h, j, buf
-
-    init = (0, h0, 0, buf0)
-    if loop is None:
-
-        def python_loop(cond, f, t):
-            while cond(t):
-                t = f(t)
-            return t
-
-        s = init
-        while s[0] < n:
-            s = body(s, python_loop)
-    else:
-
-        def memento_inner(cond, f, t):
-            return memento.while_loop(cond, f, t, max_steps=2, memory=1, buffers=lambda t: t[2])
-
-        s = memento.while_loop(
-            lambda s: s[0] < n, lambda s: body(s, memento_inner), init, max_steps=MAX,
-            memory=2, host_memory=host, buffers=lambda s: s[3],
-        )  # fmt: skip
-    _, h, j, buf = s
-    weights = jnp.arange(1.0, 1.0 + buf.size).reshape(buf.shape) / buf.size
-    return jnp.sum(jnp.sin(buf) * weights) + jnp.sum(h**2) + j
+@functools.cache
+def nested_reference(n):
+    w, b, h0 = params()
+    loss = functools.partial(nested_saving_loss, steps=None, n=n)  # unrolled in Python
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(w, b, h0, jnp.full((ROWS, H), 0.5))
 
 
 @pytest.mark.parametrize("host", [1, math.inf])
 def test_nested_loop_writes_an_outer_buffer(host):
+    # Step k writes k % 4 rows from a nested memento.while_loop into the outer loop's
+    # buffer, one under a predicate (test_while_loop.py's case, the outer loop on two
+    # levels).
     w, b, h0 = params()
     buf0 = jnp.full((ROWS, H), 0.5)
-    grad = jax.grad(nested_loss, argnums=(0, 1, 2, 3))
-    ours = jax.jit(functools.partial(grad, host=host, loop=True))
+    grad = jax.grad(nested_saving_loss, argnums=(0, 1, 2, 3))
+    kw = dict(steps=MAX, memory=2, inner_memory=1, host_memory=host)
+    ours = jax.jit(functools.partial(grad, **kw))  # n traced: one compilation
     for n in (0, 9):
-        assert_close(ours(w, b, h0, buf0, n), grad(w, b, h0, buf0, n))
+        assert_close(ours(w, b, h0, buf0, n=jnp.int32(n)), nested_reference(n))
 
 
 def test_forward_over_reverse_and_truncation():
@@ -277,9 +215,8 @@ def test_forward_over_reverse_and_truncation():
             h0 = cell(w, b, h0)
         return jnp.sum(jnp.sin(h0))
 
+    assert_close(jax.jit(jax.hessian(lambda h: f(h, 2)[0]))(h0), jax.hessian(ref)(h0))
     for host in (2, math.inf):
-        hess = jax.jit(jax.hessian(lambda h, host=host: f(h, host)[0]))(h0)
-        assert_close(hess, jax.hessian(ref)(h0))
         assert bool(f(h0, host)[1])
 
 

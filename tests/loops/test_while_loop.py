@@ -438,10 +438,13 @@ def put(buf, i, v, pred):
     return buf.at[i].set(jnp.where(pred, v, buf[i]))
 
 
-def nested_saving_loss(w, b, h0, buf0, *, steps, memory=None, inner_memory=None, n=9):
+def nested_saving_loss(
+    w, b, h0, buf0, *, steps, memory=None, inner_memory=None, n=9, host_memory=None
+):
     """Step k writes ``k % 4`` rows (0 to 3, a number known at run time) from a nested
     loop, one of them under a predicate, with plain writes before and after it; with
-    ``steps`` None, the same unrolled in Python (the reference)."""
+    ``steps`` None, the same unrolled in Python (the reference). ``host_memory``: the
+    outer loop's (tests/loops/test_while_host.py)."""
 
     def rows(k, h, j, buf, loop):
         def inner(t):
@@ -479,7 +482,7 @@ def nested_saving_loss(w, b, h0, buf0, *, steps, memory=None, inner_memory=None,
 
         s = memento.while_loop(
             lambda s: s[0] < n, lambda s: body(s, memento_inner), init, max_steps=steps,
-            memory=memory, buffers=lambda s: s[3],
+            memory=memory, buffers=lambda s: s[3], host_memory=host_memory,
         )  # fmt: skip
     _, h, j, buf = s
     weights = jnp.arange(1.0, 1.0 + buf.size).reshape(buf.shape) / buf.size
