@@ -171,3 +171,21 @@ def test_readme_sharded_table_is_results_sharded_json():
             row = rows[workload, mode, method]
             assert _shown(memory, row["memory_ratio"]), (name, sharding, method, cell)
             assert _shown(time, row["time_ratio"]), (name, sharding, method, cell)
+
+
+def test_readme_small_loops_table_is_results_small_loops_json():
+    results = json.loads((ROOT / "benchmarks/results/small_loops.json").read_text())
+    rows = {(r["threshold"], r["cell"], r["width"]): r for r in results["rows"]}
+    table = _table("`python benchmarks/small_loops.py`")
+    assert table[0][0] == "cell, width" and len(table) == 9
+    cells = {"`tanh(W @ h + x)`": "matvec", "`tanh(1.01 h + x)`": "elementwise"}
+    for name, default, raised, times in table[1:]:
+        body, width = name.rsplit(", ", 1)
+        ran = [rows["default", cells[body], int(width)], rows["65536", cells[body], int(width)]]
+        for shown, row in zip((default, raised), ran, strict=True):
+            ratio = row["vs_checkpoint"]["memento recursion"]
+            assert _shown(shown.removesuffix("x"), ratio), (name, shown, ratio)
+        for shown, row in zip(times.split(" / "), ran, strict=True):
+            number, scale = _quantity(shown)
+            seconds = row["seconds"]["memento recursion"]
+            assert _shown(number, seconds, scale), (name, shown, seconds)
