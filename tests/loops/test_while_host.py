@@ -269,3 +269,30 @@ def test_host_budgets_above_the_policy_cap_warn():
         g, i = GRAD(w, b, h0, 7, memory=2, host=200, max_steps=300)
     assert int(i) == 7
     assert_close(g, reference(7))
+
+
+def test_device_memory_is_the_one_level_loops_plus_the_host_pools():
+    # As test_scan_host's: on the CPU host memory is the same RAM and XLA:CPU counts the
+    # host pools in its temporary bytes. Less the host pools, a host level takes at most
+    # the one-level loop's bytes at the same device budget, within a few carries (the
+    # carry copied back per interval, the interval's fresh device stack) and a few int32
+    # words per host slot (the kept stack's positions and slot order, sorted once).
+    W = jnp.eye(64) * 0.5
+    carry = 64 * 8
+
+    def temp(**kw):
+        def loss(h0):
+            body = lambda s: (s[0] + 1, jnp.tanh(W @ s[1] + 0.01))
+            _, h = memento.while_loop(lambda s: s[0] < 200, body, (0, h0), max_steps=200, **kw)
+            return jnp.sum(h)
+
+        g = jax.jit(jax.grad(loss)).lower(jnp.ones(64)).compile()
+        return g.memory_analysis().temp_size_in_bytes
+
+    one = temp(memory=4)
+    for host in (5, 20, math.inf):
+        two = temp(memory=4, host_memory=host)
+        host_slots = 200 if host == math.inf else host
+        host_bytes = host_slots * carry
+        assert two >= host_bytes  # the host pools are really allocated
+        assert two - host_bytes <= one + 4 * carry + 32 * host_slots, (host, one, two)

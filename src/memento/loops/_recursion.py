@@ -75,7 +75,7 @@ def _pick(when, yes, no):
     return lax.select(when, yes, no)
 
 
-_TOP = (1 << 31) - 1  # splits are tabulated for every t an int32 step counter allows
+_TOP = _SAT  # splits are tabulated for every t an int32 step counter allows (the same bound)
 
 
 @functools.lru_cache(maxsize=32)
