@@ -5,15 +5,17 @@
 #
 # on a machine with one NVIDIA GPU, Python 3 with jax[cuda], torch (CUDA), equinox,
 # pytest (pytest-xdist if present). memento need not be installed: src/ is put on
-# PYTHONPATH. Every part runs under `timeout`; the caps sum to 330 s:
+# PYTHONPATH. Every part runs under `timeout`; the caps sum to 360 s:
 #
 #   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   80 s
 #   (b) benchmarks/offload.py (device peak, host bytes, time, xla#46231 canary)       50 s
+#       benchmarks/device_budget.py (two-level vs one-level temp bytes per executor)  30 s
 #   (c) tests/pytorch/test_torch_device.py (memento.torch on CUDA)                    20 s
 #       benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
 #   (d) benchmarks/gpu_rnn.py --time-budget                                          110 s
 #
-# Writes, flat in $OUT: session.log (everything printed), offload.json, torch_rnn.json,
+# Writes, flat in $OUT: session.log (everything printed), offload.json, device_budget.json
+# (and each case's optimised HLO in device_budget_hlo/), torch_rnn.json,
 # torch_chain.json, gpu_rnn.json (also under benchmarks/results/gpu/). One part failing
 # does not stop the others.
 #
@@ -49,7 +51,7 @@ part() {
     say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
 }
 collect() {
-    for f in offload.json torch_rnn.json torch_chain.json gpu_rnn.json; do
+    for f in offload.json device_budget.json torch_rnn.json torch_chain.json gpu_rnn.json; do
         [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
     done
 }
@@ -94,6 +96,8 @@ else
     part offload 50 "$PY" benchmarks/offload.py --isolate --fracs 0.05,0.2 \
         --time-budget 45 --case-timeout 28 --out "$RES/offload.json"
 fi
+part device_budget 30 "$PY" benchmarks/device_budget.py --out "$RES/device_budget.json" \
+    --hlo "$OUT/device_budget_hlo"
 collect
 
 # (c) memento.torch on CUDA (torch there may be older than pyproject's floor: printed).
