@@ -53,12 +53,33 @@ def assert_trees_close(a, b, rtol=1e-12, atol=1e-12):
 GRAD = functools.partial(jax.grad, argnums=(1, 2, 3))
 
 
-# lax.scan's gradient, once for the 32 cases below (float64, as the fixture sets).
+# lax.scan's gradient, once for the 24 cases below (float64, as the fixture sets).
 _lax_rnn_grad = functools.cache(lambda: GRAD(rnn_loss)(lax.scan, *rnn_params()))
+MEMORIES = [1, 2, 3, 5, 8, 13, 40, 200]
 
 
-@pytest.mark.parametrize("policy", ["hsm", "ism", "msm", "auto"])
-@pytest.mark.parametrize("memory", [1, 2, 3, 5, 8, 13, 40, 200])
+def _rnn_schedule(policy, memory):
+    w, h0, xs = rnn_params()
+
+    def cell(h, x):  # rnn_loss's
+        h = jnp.tanh(w @ h + x)
+        return h, jnp.sum(h**2)
+
+    return memento.loops.scan_schedule(cell, h0, xs, memory=memory, policy=policy)
+
+
+def test_auto_runs_the_schedules_of_the_gradient_cases():
+    # At every budget below, auto plans exactly HSM's or MSM's schedule (HSM's up to 5
+    # slots, MSM's from 8): the program that test_gradients_equal_lax_scan compiles and
+    # checks for that policy. (auto was a parameter of it too, compiling those twice.)
+    for memory in MEMORIES:
+        auto = _rnn_schedule("auto", memory)
+        assert auto == _rnn_schedule(auto.policy, memory), memory
+        assert auto.policy == ("hsm" if memory <= 5 else "msm"), memory
+
+
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+@pytest.mark.parametrize("memory", MEMORIES)
 def test_gradients_equal_lax_scan(policy, memory):
     w, h0, xs = rnn_params()
     ref = _lax_rnn_grad()
