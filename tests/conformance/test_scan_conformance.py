@@ -73,6 +73,16 @@ lax_grad_reverse_xs_none_and_length = functools.cache(
     functools.partial(grad_reverse_xs_none_and_length, LAX)
 )
 
+_LAX_RESULTS = {}
+
+
+def _lax_once(key, compute):
+    """lax.scan's side of a comparison, computed by the first variant that needs it and
+    reused by the others (``key`` names the test and the data the result depends on)."""
+    if key not in _LAX_RESULTS:
+        _LAX_RESULTS[key] = compute()
+    return _LAX_RESULTS[key]
+
 
 # Every variant forwards; backwards (reverse=True) one per storage path: a reversed scan is
 # the same plan over the flipped steps.
@@ -110,15 +120,19 @@ def rnn_args():
 def rnn_derivatives(scan, second_order: bool) -> list:
     """The RNN loss's gradient and, if ``second_order``, forward over reverse: jvp of the
     gradient, the Hessian and jacfwd of jacrev."""
-    args = rnn_args()
     f = functools.partial(rnn, scan)
-    out = [jax.grad(f, argnums=(0, 1, 2))(*args)]
-    if second_order:
-        tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
-        out.append(jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,)))
-        out.append(jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1]))
-        out.append(jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2]))
-    return out
+
+    @jax.jit  # the four derivatives in one program
+    def derivatives(*args):
+        out = [jax.grad(f, argnums=(0, 1, 2))(*args)]
+        if second_order:
+            tangent = jax.tree_util.tree_map(jnp.ones_like, args[0])
+            out.append(jax.jvp(lambda p: jax.grad(f)(p, *args[1:]), (args[0],), (tangent,)))
+            out.append(jax.hessian(lambda h0: f(args[0], h0, args[2]))(args[1]))
+            out.append(jax.jacfwd(jax.jacrev(lambda xs: f(args[0], args[1], xs)))(args[2]))
+        return out
+
+    return derivatives(*rnn_args())
 
 
 lax_rnn_derivatives = functools.cache(functools.partial(rnn_derivatives, LAX, True))
@@ -139,11 +153,17 @@ def vmapped(scan, in_axes) -> list:
     c_bdim, x_bdim = in_axes
     cs = C0 if c_bdim is None else jnp.stack([C0 * (i + 1) for i in range(3)], c_bdim)
     xs = XS if x_bdim is None else jnp.stack([XS - i for i in range(3)], x_bdim)
-    out = [jax.vmap(lambda c, x: scan(body, c, x), in_axes)(cs, xs)]
     loss = lambda c, x: jnp.sum(jnp.sin(scan(body, c, x)[1]))
-    out.append(jax.grad(lambda c, x: jnp.sum(jax.vmap(loss, in_axes)(c, x)), (0, 1))(cs, xs))
-    out.append(jax.vmap(jax.grad(loss, (0, 1)), in_axes)(cs, xs))
-    return out
+
+    @jax.jit  # the three in one program (eager vmap of memento.scan: tests/loops/test_scan.py)
+    def run(cs, xs):
+        return [
+            jax.vmap(lambda c, x: scan(body, c, x), in_axes)(cs, xs),
+            jax.grad(lambda c, x: jnp.sum(jax.vmap(loss, in_axes)(c, x)), (0, 1))(cs, xs),
+            jax.vmap(jax.grad(loss, (0, 1)), in_axes)(cs, xs),
+        ]
+
+    return run(cs, xs)
 
 
 lax_vmapped = functools.cache(functools.partial(vmapped, LAX))
@@ -169,26 +189,29 @@ def test_hessian_under_vmap_and_jit(scan):
         h = jax.hessian(lambda b, xs: rnn(s, {**params, "b": b}, h0, xs))
         return jax.jit(jax.vmap(h, (None, 0)))(params["b"], xss)
 
-    assert_close(hess(scan), hess(LAX))
+    assert_close(hess(scan), _lax_once("hessian-vmap-jit", lambda: hess(LAX)))
 
 
 @pytest.mark.parametrize("scan", FEW, ids=repr)
 def test_remat_of_scan_and_scan_in_scan(scan):
-    params, h0, xs = rnn_args()
-    remat = jax.checkpoint(lambda p: rnn(scan, p, h0, xs))
-    assert_close(jax.grad(remat)(params), jax.grad(lambda p: rnn(LAX, p, h0, xs))(params))
+    assert_close(remat_and_nested(scan), lax_remat_and_nested())
 
-    def nested(s, w):
+
+def remat_and_nested(s):
+    params, h0, xs = rnn_args()
+    remat = jax.checkpoint(lambda p: rnn(s, p, h0, xs))
+
+    def nested(w):
         def outer(c, x):
             c2, ys = s(lambda h, xi: (jnp.sin(h * w + xi), h.sum()), c, jnp.tile(x, (3, 1)))
             return c2, ys.sum()
 
         return jnp.sum(s(outer, h0, xs[:, :1] * jnp.ones((1, 4)))[1])
 
-    assert_close(
-        jax.grad(functools.partial(nested, scan))(0.7),
-        jax.grad(functools.partial(nested, LAX))(0.7),
-    )
+    return jax.grad(remat)(params), jax.grad(nested)(0.7)
+
+
+lax_remat_and_nested = functools.cache(functools.partial(remat_and_nested, LAX))
 
 
 # -- weak types and literals ---------------------------------------------------------
@@ -208,24 +231,23 @@ def test_weakly_typed_init_takes_the_body_dtype(scan, dtype):
 def test_weak_types_are_kept_and_grad_of_python_floats(scan):
     # A weakly typed carry stays weak (so later arithmetic promotes as with lax.scan).
     out = scan(lambda c, _: (c * 0.5 + 1.0, c), 0.0, None, length=4)
-    assert_close(out, lax.scan(lambda c, _: (c * 0.5 + 1.0, c), 0.0, None, length=4), weak=True)
+    want = _lax_once("weak", lambda: lax.scan(lambda c, _: (c * 0.5 + 1.0, c), 0.0, None, length=4))
+    assert_close(out, want, weak=True)
     assert (out[0] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
 
     # The most common call of all: grad of a function of a Python float.
     def f(s, a):
         return s(lambda c, x: (c * a + x, c), 0.0, jnp.arange(5.0))[0]
 
-    assert_close(
-        jax.grad(functools.partial(f, scan))(0.7), jax.grad(functools.partial(f, LAX))(0.7)
-    )
+    want = _lax_once("weak-grad", lambda: jax.grad(functools.partial(f, LAX))(0.7))
+    assert_close(jax.grad(functools.partial(f, scan))(0.7), want)
     eta = jnp.asarray(0.7)  # weakly typed, closed over
 
     def g(s, w):
         return jnp.sum(s(lambda c, x: (jnp.tanh(c * w * eta + x[0]), c * eta), C0, XS)[1])
 
-    assert_close(
-        jax.grad(functools.partial(g, scan))(1.3), jax.grad(functools.partial(g, LAX))(1.3)
-    )
+    want = _lax_once("weak-closed-over", lambda: jax.grad(functools.partial(g, LAX))(1.3))
+    assert_close(jax.grad(functools.partial(g, scan))(1.3), want)
 
 
 @pytest.mark.parametrize("scan", PATHS, ids=repr)
@@ -233,13 +255,15 @@ def test_literal_and_none_outputs(scan):
     def f(c, x):
         return c * x, (0, 1.5, None, x)
 
-    assert_close(scan(f, 1.0, XS[:, 0]), lax.scan(f, 1.0, XS[:, 0]), weak=True)
-    loss = lambda s, c: s(f, c, XS[:, 0])[0] + jnp.sum(s(f, c, XS[:, 0])[1][3])
     assert_close(
-        jax.grad(functools.partial(loss, scan))(1.0), jax.grad(functools.partial(loss, LAX))(1.0)
+        scan(f, 1.0, XS[:, 0]), _lax_once("literal", lambda: lax.scan(f, 1.0, XS[:, 0])), weak=True
     )
+    loss = lambda s, c: s(f, c, XS[:, 0])[0] + jnp.sum(s(f, c, XS[:, 0])[1][3])
+    want = _lax_once("literal-grad", lambda: jax.grad(functools.partial(loss, LAX))(1.0))
+    assert_close(jax.grad(functools.partial(loss, scan))(1.0), want)
     # a literal carry output and input-to-output forwarding
-    assert_close(scan(lambda c, x: (2.0, x), 0.0, XS), lax.scan(lambda c, x: (2.0, x), 0.0, XS))
+    forward = lambda s: s(lambda c, x: (2.0, x), 0.0, XS)
+    assert_close(forward(scan), _lax_once("forwarding", lambda: forward(lax.scan)))
 
 
 # -- dtypes --------------------------------------------------------------------------
@@ -247,7 +271,8 @@ def test_literal_and_none_outputs(scan):
 
 @pytest.mark.parametrize("scan", FEW, ids=repr)
 def test_complex_carry_and_residuals(scan):
-    w = jnp.asarray(rng.normal(size=(3, 3)) + 1j * rng.normal(size=(3, 3))) * 0.4
+    r = np.random.default_rng(1)  # the same w for every variant: lax.scan's side once
+    w = jnp.asarray(r.normal(size=(3, 3)) + 1j * r.normal(size=(3, 3))) * 0.4
 
     def loss(s, w, c0):
         def step(c, x):
@@ -259,13 +284,13 @@ def test_complex_carry_and_residuals(scan):
 
     c0 = jnp.ones(3, jnp.complex128)
     args = (w, c0)
-    assert_close(loss(scan, *args), loss(LAX, *args))
+    value = lambda s: loss(s, *args)
     g = lambda s: jax.grad(functools.partial(loss, s), argnums=(0, 1))(*args)
-    assert_close(g(scan), g(LAX))
     hvp = lambda s: jax.jvp(
         lambda c: jax.grad(functools.partial(loss, s), 1)(w, c), (c0,), (1j * c0,)
     )
-    assert_close(hvp(scan), hvp(LAX))
+    results = lambda s: (value(s), g(s), hvp(s))
+    assert_close(results(scan), _lax_once("complex", lambda: results(LAX)))
 
 
 # bfloat16 through every FEW variant; float16 and float32, which round the same way,
@@ -278,9 +303,9 @@ LOW = [(s, d) for s in FEW for d in (jnp.float16, jnp.bfloat16, jnp.float32)
 def test_low_precision(scan, dtype):
     params, h0, xs = rnn_args()
     low = jax.tree_util.tree_map(lambda a: a.astype(dtype), (params, h0, xs))
-    exact = jax.grad(rnn, argnums=2)(LAX, params, h0, xs)
+    exact = _lax_once("low-exact", lambda: jax.grad(rnn, argnums=2)(LAX, params, h0, xs))
     got = jax.grad(rnn, argnums=2)(scan, *low)
-    ref = jax.grad(rnn, argnums=2)(LAX, *low)
+    ref = _lax_once(("low", dtype), lambda: jax.grad(rnn, argnums=2)(LAX, *low))
     assert got.dtype == ref.dtype == dtype
     # Rounding follows the order of operations: no worse than twice lax.scan's own error.
     err = lambda g: float(jnp.max(jnp.abs(g.astype(jnp.float64) - exact)))
@@ -296,13 +321,22 @@ def test_keys_ints_and_bools_in_the_carry(scan):
         return (key, count + 1, jnp.logical_not(flag), h), (count, flag, jax.random.key_data(sub))
 
     init = (jax.random.key(0), jnp.uint8(3), jnp.bool_(True), C0)
-    assert_close(scan(step, init, XS), lax.scan(step, init, XS), weak=True)
     loss = lambda s, h: jnp.sum(s(step, (*init[:3], h), XS)[0][3])
-    assert_close(
-        jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
+    # the value eager, the gradient and the hessian in one jitted program
+    derivatives = jax.jit(
+        lambda s, h: (
+            jax.grad(functools.partial(loss, s))(h),
+            jax.hessian(functools.partial(loss, s))(h),
+        ),
+        static_argnums=0,
     )
-    hess = lambda s: jax.hessian(functools.partial(loss, s))(C0)
-    assert_close(hess(scan), hess(LAX))
+    results = lambda s: (s(step, init, XS), *derivatives(s, C0))
+    (value, *derivatives), (want, *want_derivatives) = (
+        results(scan),
+        _lax_once("keys", lambda: results(LAX)),
+    )
+    assert_close(value, want, weak=True)
+    assert_close(derivatives, want_derivatives)
 
 
 # -- what is differentiated ----------------------------------------------------------
@@ -317,19 +351,20 @@ def test_leaves_without_a_gradient_may_use_ops_without_a_reverse_rule(scan):
         return (jnp.tanh(h * x[0] + 0.1), z), h.sum() + lax.stop_gradient(z)
 
     loss = lambda s, h: jnp.sum(s(step, (h, 3.0), XS)[1])
-    assert_close(
-        jax.grad(functools.partial(loss, scan))(C0), jax.grad(functools.partial(loss, LAX))(C0)
+    results = jax.jit(  # the gradient and the hessian in one program
+        lambda s: (
+            jax.grad(functools.partial(loss, s))(C0),
+            jax.hessian(functools.partial(loss, s))(C0),
+        ),
+        static_argnums=0,
     )
-    assert_close(
-        jax.hessian(functools.partial(loss, scan))(C0),
-        jax.hessian(functools.partial(loss, LAX))(C0),
-    )
+    assert_close(results(scan), _lax_once("no-reverse-rule", lambda: results(LAX)))
 
 
 @pytest.mark.parametrize("scan", FEW, ids=repr)
 def test_integer_xs_and_unused_inputs(scan):
     idx = jnp.arange(T) % 3
-    table = jnp.asarray(rng.normal(size=(3, 4)))
+    table = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4)))  # the same for all
 
     def loss(s, table, unused):
         def step(c, i):
@@ -338,7 +373,7 @@ def test_integer_xs_and_unused_inputs(scan):
         return jnp.sum(s(step, C0, idx)[1]) + 0 * jnp.sum(unused[:0])
 
     g = lambda s: jax.grad(functools.partial(loss, s), (0, 1))(table, XS)
-    assert_close(g(scan), g(LAX))
+    assert_close(g(scan), _lax_once("integer-xs", lambda: g(LAX)))
 
 
 # -- what memento refuses, clearly ---------------------------------------------------

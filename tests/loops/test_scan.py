@@ -53,12 +53,33 @@ def assert_trees_close(a, b, rtol=1e-12, atol=1e-12):
 GRAD = functools.partial(jax.grad, argnums=(1, 2, 3))
 
 
-# lax.scan's gradient, once for the 32 cases below (float64, as the fixture sets).
+# lax.scan's gradient, once for the 24 cases below (float64, as the fixture sets).
 _lax_rnn_grad = functools.cache(lambda: GRAD(rnn_loss)(lax.scan, *rnn_params()))
+MEMORIES = [1, 2, 3, 5, 8, 13, 40, 200]
 
 
-@pytest.mark.parametrize("policy", ["hsm", "ism", "msm", "auto"])
-@pytest.mark.parametrize("memory", [1, 2, 3, 5, 8, 13, 40, 200])
+def _rnn_schedule(policy, memory):
+    w, h0, xs = rnn_params()
+
+    def cell(h, x):  # rnn_loss's
+        h = jnp.tanh(w @ h + x)
+        return h, jnp.sum(h**2)
+
+    return memento.loops.scan_schedule(cell, h0, xs, memory=memory, policy=policy)
+
+
+def test_auto_runs_the_schedules_of_the_gradient_cases():
+    # At every budget below, auto plans exactly HSM's or MSM's schedule (HSM's up to 5
+    # slots, MSM's from 8): the program that test_gradients_equal_lax_scan compiles and
+    # checks for that policy. (auto was a parameter of it too, compiling those twice.)
+    for memory in MEMORIES:
+        auto = _rnn_schedule("auto", memory)
+        assert auto == _rnn_schedule(auto.policy, memory), memory
+        assert auto.policy == ("hsm" if memory <= 5 else "msm"), memory
+
+
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+@pytest.mark.parametrize("memory", MEMORIES)
 def test_gradients_equal_lax_scan(policy, memory):
     w, h0, xs = rnn_params()
     ref = _lax_rnn_grad()
@@ -268,18 +289,29 @@ def test_forward_evaluations_equal_schedule_cost(policy, memory, unroll):
     assert schedule.alpha == (1 if schedule.policy == "hsm" else alpha)
 
 
-@pytest.mark.parametrize(
-    "executor,policy", [("rows", "hsm"), ("rows", "ism"), ("rows", "msm"), ("recursion", "hsm")]
+_EXECUTORS = [("rows", "hsm"), ("rows", "ism"), ("rows", "msm"), ("recursion", "hsm")]
+
+
+# lax.scan's gradient with unroll, once per unroll for the executors below.
+_lax_unrolled_grad = functools.cache(
+    lambda unroll: GRAD(rnn_loss)(functools.partial(lax.scan, unroll=unroll), *rnn_params(t=23))
 )
-@pytest.mark.parametrize("unroll", [2, 3, True])
+
+
+# unroll=3 (a remainder of 2 steps) and True for every executor; unroll=2 (a remainder
+# of one step: the same two loops as 3) for one.
+@pytest.mark.parametrize(
+    "executor,policy,unroll",
+    [(e, p, u) for u in (3, True) for e, p in _EXECUTORS] + [("rows", "hsm", 2)],
+)
 def test_unroll_equals_lax_scan_and_unrolls_recomputation(executor, policy, unroll):
     # unroll=k is lax.scan's in the first sweep, and the backward pass's recomputation
     # loops run k steps per iteration (GitHub issue 20): same gradients as lax.scan's.
     w, h0, xs = rnn_params(t=23)
-    ref = GRAD(rnn_loss)(functools.partial(lax.scan, unroll=unroll), w, h0, xs)
+    ref = _lax_unrolled_grad(unroll)
     for memory in (6, 9):
         scan = budgeted(memory=memory, policy=policy, executor=executor, unroll=unroll)
-        assert_trees_close(GRAD(rnn_loss)(scan, w, h0, xs), ref)
+        assert_trees_close(jax.jit(GRAD(rnn_loss), static_argnums=0)(scan, w, h0, xs), ref)
 
     def tanhs(k):
         scan = budgeted(memory=6, policy=policy, executor=executor, unroll=k)

@@ -91,11 +91,14 @@ def test_reverse_over_reverse_through_checkpoint_names_memento(case):
         lambda: jax.grad(jax.grad(jax.remat(f, policy=jax.checkpoint_policies.nothing_saveable)))(
             0.7
         ),
-        lambda: jax.grad(
-            jax.grad(jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable))
+        # (jitted: refused while tracing, before an eager forward pass runs the loop)
+        lambda: jax.jit(
+            jax.grad(
+                jax.grad(jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable))
+            )
         )(0.7),
         lambda: jax.grad(lambda a: jax.grad(jax.checkpoint(f))(a) * a)(0.7),
-        lambda: jax.jacrev(jax.jacrev(jax.checkpoint(f)))(0.7),
+        lambda: jax.jit(jax.jacrev(jax.jacrev(jax.checkpoint(f))))(0.7),
         lambda: check_grads(jax.checkpoint(f), (0.7,), order=2, modes=["rev"]),
         lambda: check_grads(f, (0.7,), order=2, modes=["rev"]),
         # plain grad of grad: caught in the backward rule, as before
@@ -119,10 +122,13 @@ def test_forward_over_reverse_stays_exact(case):
         g = wrap(f)
         assert_close(jax.hessian(g)(0.7), want[0])
         assert_close(jax.jvp(jax.grad(g), (0.7,), (1.3,)), want[1])
-    # under vmap, and third order by forward mode over it
+    # under vmap, and third order by forward mode over it (jitted: one program each; the
+    # eager transformations are the ones above)
     a = jnp.array([0.3, 0.7, -1.2])
-    assert_close(jax.vmap(jax.hessian(f))(a), jax.vmap(jax.hessian(ref))(a))
-    assert_close(jax.jacfwd(jax.hessian(f))(0.7), jax.jacfwd(jax.hessian(ref))(0.7))
+    vmapped = lambda f: jax.jit(jax.vmap(jax.hessian(f)))(a)
+    third = lambda f: jax.jit(jax.jacfwd(jax.hessian(f)))(0.7)
+    assert_close(vmapped(f), vmapped(ref))
+    assert_close(third(f), third(ref))
 
 
 def test_hessian_of_an_rnn_through_checkpoint_is_exact():
@@ -134,11 +140,9 @@ def test_hessian_of_an_rnn_through_checkpoint_is_exact():
         c, ys = scan(lambda h, x: (jnp.tanh(w @ h + x), h), jnp.ones(3) * 0.1, xs)
         return jnp.sum(c**2) + jnp.sum(jnp.cos(ys))
 
+    want = jax.jit(jax.hessian(functools.partial(loss, scan=lax.scan)))(w)  # once
     for s in SCANS.values():
-        assert_close(
-            jax.hessian(jax.checkpoint(functools.partial(loss, scan=s)))(w),
-            jax.hessian(functools.partial(loss, scan=lax.scan))(w),
-        )
+        assert_close(jax.jit(jax.hessian(jax.checkpoint(functools.partial(loss, scan=s))))(w), want)
 
 
 # -- 8. read-only carry leaves are loop constants -----------------------------------------
@@ -312,15 +316,19 @@ def test_readonly_carry_of_while_loop_gradients():
             c = lax.cond(cond(c), body, lambda c: c, c)
         return c
 
-    g = lambda loop, n: jax.grad(functools.partial(loss, loop=loop), (0, 1, 2))(w, v, h0, n)
-    ws = jnp.stack([w, -w])
-    vm = lambda loop: jax.vmap(
-        jax.grad(functools.partial(loss, loop=loop), (0, 1, 2)), (0, None, None, 0)
-    )(ws, v, h0, jnp.array([2, 5]))
-    want = {n: g(unrolled, n) for n in (0, 1, 4, T)}  # the references, once
-    want_vm = vm(unrolled)
+    # One program per loop: the trip count n an argument, run for 0, 1, 4 and T steps,
+    # and its vmap over w and n (2 and 5 steps) in the same program.
+    ws, ns = jnp.stack([w, -w]), jnp.array([2, 5])
+
+    def programs(loop):
+        grad = jax.grad(functools.partial(loss, loop=loop), (0, 1, 2))
+        batched = jax.vmap(grad, (0, None, None, 0))
+        return jax.jit(lambda n: (grad(w, v, h0, n), batched(ws, v, h0, ns)))
+
+    counts = (0, 1, 4, T)
+    ref = programs(unrolled)
+    want = {n: ref(n) for n in counts}  # the references, once
     for memory in (1, 2, 3, 8):
-        loop = functools.partial(memento.while_loop, memory=memory, max_steps=T)
-        for n in (0, 1, 4, T):
-            assert_close(g(loop, n), want[n])
-        assert_close(vm(loop), want_vm)
+        ours = programs(functools.partial(memento.while_loop, memory=memory, max_steps=T))
+        for n in counts:
+            assert_close(ours(n), want[n])

@@ -193,7 +193,8 @@ def test_leaves_of_every_size_and_kind(case, memory, policy):
                 full[i] = v
             return loss(tuple(full), xs, scan)
 
-        return jax.grad(of, argnums=(0, 1))([init[i] for i in floats], xs)
+        # jitted: one program (eager gradients: test_budgets_far_above_need_are_exact)
+        return jax.jit(jax.grad(of, argnums=(0, 1)))([init[i] for i in floats], xs)
 
     if case not in _LAX_GRADS:  # lax.scan's, once per carry
         _LAX_GRADS[case] = grads(lax.scan)

@@ -359,25 +359,27 @@ def equinox_loop(cond, body, init):
     )  # fmt: skip
 
 
+# The value and gradient of saving_loss, jitted with the loop static and the trip count n
+# an argument: one program per loop, run for every n.
+SAVING = jax.jit(jax.value_and_grad(saving_loss, argnums=(1, 2, 3, 5)), static_argnums=0)
+
+
 @pytest.mark.parametrize("memory", [1, 8])
 def test_buffers_match_equinox(memory):
     w, b, h0 = params()
     buf0 = jnp.full((N, H), 0.5)  # unwritten rows keep their value and gradient
+    ours_loop = memento_loop(memory)
     for n in (0, 7, N):
         args = (w, b, h0, n, buf0)
-        grad = jax.grad(saving_loss, argnums=(1, 2, 3, 5))
-        ours = jax.jit(grad, static_argnums=(0, 4))(memento_loop(memory), *args)
-        ref = jax.jit(grad, static_argnums=(0, 4))(equinox_loop, *args)
+        value, ours = SAVING(ours_loop, *args)
+        ref_value, ref = SAVING(equinox_loop, *args)  # compiled once for both memories
         # The initial buffer's rows that the loop overwrites do not affect the result: their
         # true cotangent is zero. Equinox passes them the final buffer's cotangent (its
         # docs leave them unspecified: no location may be written twice); ours is exact.
         ref = (*ref[:3], ref[3].at[:n].set(0.0))
         for a, r in zip(ours, ref, strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(
-            saving_loss(memento_loop(memory), *args), saving_loss(equinox_loop, *args),
-            rtol=1e-14,
-        )  # fmt: skip
+        np.testing.assert_allclose(value, ref_value, rtol=1e-14)
 
 
 def test_buffers_are_not_checkpointed():
@@ -497,18 +499,26 @@ def test_nested_loop_writes_the_buffers(memory, inner_memory):
     # rows) equal the unrolled loop's.
     w, b, h0 = params()
     buf0 = jnp.full((ROWS, H), 0.5)
-    grad = jax.grad(nested_saving_loss, argnums=(0, 1, 2, 3))
-    ref = grad(w, b, h0, buf0, steps=None)
     for n in (0, 1, 9):
         kw = dict(steps=12, memory=memory, inner_memory=inner_memory, n=n)
-        ours = jax.jit(functools.partial(grad, **kw))(w, b, h0, buf0)
-        ref = grad(w, b, h0, buf0, steps=None, n=n)
+        value, ours = _nested_value_and_grad(**kw)(w, b, h0, buf0)
+        ref_value, ref = _nested_reference(n)
         for a, r in zip(ours, ref, strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(
-            nested_saving_loss(w, b, h0, buf0, **kw),
-            nested_saving_loss(w, b, h0, buf0, steps=None, n=n), rtol=1e-14,
-        )  # fmt: skip
+        np.testing.assert_allclose(value, ref_value, rtol=1e-14)
+
+
+def _nested_value_and_grad(**kw):
+    return jax.jit(
+        functools.partial(jax.value_and_grad(nested_saving_loss, argnums=(0, 1, 2, 3)), **kw)
+    )
+
+
+@functools.cache
+def _nested_reference(n):
+    """The unrolled loop's value and gradient: once per n for the six cases above."""
+    w, b, h0 = params()
+    return _nested_value_and_grad(steps=None, n=n)(w, b, h0, jnp.full((ROWS, H), 0.5))
 
 
 def test_nested_loop_writes_under_vmap():
@@ -691,11 +701,12 @@ def test_conditional_writes_match_unrolled(memory):
         out = accept_unrolled(w, b, h0, buf, n)
         return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0) * ct), out
 
+    # one program (n an argument) for memento's loop; the unrolled one's per n
+    ours = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
     for n in (0, 1, 2, 9, 23):
-        (v, out), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(w, h0, buf0, n)
-        (v_r, out_r), g_r = jax.value_and_grad(loss_ref, argnums=(0, 1, 2), has_aux=True)(
-            w, h0, buf0, n
-        )
+        (v, out), g = ours(w, h0, buf0, n)
+        (v_r, out_r), g_r = ref(w, h0, buf0, n)
         np.testing.assert_array_equal(out, out_r)
         assert_close(v, v_r)
         for a, r in zip(g, g_r):
