@@ -315,7 +315,7 @@ class _Replay:
                 del self.internal[arg]
 
 
-def _differentiable(bodies: list[Body], budget: int | Bytes, policy: str):
+def _differentiable(bodies: list[Body], budget: int | Bytes, policy: ChainPolicy):
     """The chain as a ``custom_vjp`` function of (per-layer parameters, x leaves)."""
 
     @jax.custom_vjp

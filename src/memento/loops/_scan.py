@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..planning import Policy, Schedule, check_policy, plan
-from ..planning._budget import _as_int
+from ..planning._budget import as_int
 from ..planning._host import check_host
 from . import _recursion
 from ._body import (
@@ -401,7 +401,7 @@ def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
         return math.inf
     if host_memory is None:
         return None
-    n = _as_int(host_memory)
+    n = as_int(host_memory)
     if n is None:
         raise TypeError(
             f"{name}: host_memory must be None, an int number of carry-sized host "

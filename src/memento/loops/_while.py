@@ -353,7 +353,9 @@ def while_loop(
     if host:
         # The forward keeps its carries in host slots by the online policy (h_0, the
         # caller's, is its first slot); the backward reverses each host interval on the
-        # device by the recursion, from an empty stack, in ``slots`` slots.
+        # device by the recursion, from an empty stack, in ``slots`` slots. Finite here:
+        # math.inf without max_steps was refused above, and with it became max_steps.
+        host = int(host)
         what = f"host_memory={host} slots (with h_0, {host + 1})"
         events = online_events(_policy_slots(host + 1, steps, what), steps)
     else:

@@ -43,7 +43,7 @@ class Bytes:
     num_bytes: int
 
 
-def _as_int(value):
+def as_int(value):
     """``value`` as a Python int if it is an integer scalar (int, NumPy or JAX integer,
     a 0-d integer array), else None; bools are not integers here."""
     if isinstance(value, bool | np.bool_):
@@ -72,7 +72,7 @@ def bytes_budget(num_bytes: int) -> Bytes:
     Example:
         >>> memento.scan(f, init, xs, memory=memento.bytes_budget(2**28))  # doctest: +SKIP
     """
-    n = _as_int(num_bytes)
+    n = as_int(num_bytes)
     if n is None:
         raise TypeError(
             f"memento.bytes_budget: expected an int number of bytes, got {num_bytes!r}."
@@ -104,7 +104,7 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
                 "the smallest budget is one carry (memory=1 slot)."
             )
         return bytes_budget(num_bytes)
-    n = _as_int(memory)
+    n = as_int(memory)
     if n is None:
         raise TypeError(
             f"{name}: memory must be None, an int number of carry-sized slots (Python, "
