@@ -296,3 +296,51 @@ def test_device_memory_is_the_one_level_loops_plus_the_host_pools():
         host_bytes = host_slots * carry
         assert two >= host_bytes  # the host pools are really allocated
         assert two - host_bytes <= one + 4 * carry + 32 * host_slots, (host, one, two)
+
+
+def test_extremes_terabytes_empty_leaves_weak_types_nan_and_negative_zero():
+    # A terabyte host budget (every carry with max_steps; capped at the policy's 128 slots,
+    # with a warning, without); a carry with a zero-size leaf, a weakly typed float (typed
+    # as lax.while_loop types it) and an int; jvp of grad; NaN and -0 cotangents: all as
+    # the unrolled loop's, bit for bit where the values are special.
+    w, b, h0 = params()
+
+    def body(s):
+        i, h, empty, acc = s
+        h = cell(w, b, h)
+        return i + 1, h, empty * 2.0, acc + jnp.sum(h)
+
+    def f(h0, scale, *, max_steps, **kw):
+        init = (0, h0, jnp.zeros((0, 2)), 0.0)  # acc: a weakly typed Python float
+        _, h, empty, acc = memento.while_loop(
+            lambda s: s[0] < 9, body, init, max_steps=max_steps, memory=2, **kw
+        )
+        lax_acc = lax.while_loop(lambda s: s[0] < 9, body, init)[3]
+        assert empty.shape == (0, 2) and jax.typeof(acc) == jax.typeof(lax_acc)
+        return jnp.sum(h * scale) + acc
+
+    def ref(h0, scale):
+        h, acc = h0, 0.0
+        for _ in range(9):
+            h = cell(w, b, h)
+            acc = acc + jnp.sum(h)
+        return jnp.sum(h * scale) + acc
+
+    scale = jnp.array([1.0, jnp.nan, -0.0])  # a NaN and a -0 in the output's cotangent
+    want = jax.grad(ref)(h0, scale)
+    v = jnp.ones_like(h0)
+    want_jvp = jax.jvp(lambda h: jax.grad(ref)(h, jnp.ones(3)), (h0,), (v,))
+    for max_steps, host in ((12, "1TiB"), (None, "1TiB"), (12, 2)):
+        kw = dict(max_steps=max_steps, host_memory=host)
+        grad = jax.jit(jax.grad(functools.partial(f, scale=scale, **kw)))
+        if max_steps is None:
+            with pytest.warns(UserWarning, match=r"128"):
+                got = grad(h0)
+        else:
+            got = grad(h0)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+        assert_close(jnp.nan_to_num(got), jnp.nan_to_num(want))
+        if max_steps is not None:
+            g = jax.grad(functools.partial(f, scale=jnp.ones(3), **kw))
+            assert_close(jax.jit(functools.partial(jax.jvp, g))((h0,), (v,)), want_jvp)
