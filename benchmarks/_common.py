@@ -271,5 +271,16 @@ def write_json(path: str | Path, data: Any) -> Path:
     return path
 
 
+def lstm_step(params, carry, x):
+    """One LSTM step (gates from ``x @ W + h @ U + b``), the cell of the LSTM benchmarks;
+    returns the new ``(h, c)`` and the mean of ``h**2`` as the step's output."""
+    h, c = carry
+    z = x @ params["W"] + h @ params["U"] + params["b"]
+    i, f, g, o = jax.numpy.split(z, 4, axis=-1)
+    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jax.numpy.tanh(g)
+    h = jax.nn.sigmoid(o) * jax.numpy.tanh(c)
+    return (h, c), jax.numpy.mean(h * h)
+
+
 def mib(num_bytes: float) -> float:
     return num_bytes / 2**20

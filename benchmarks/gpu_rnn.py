@@ -81,18 +81,6 @@ def make_problem(hidden: int, batch: int, inputs: int, steps: int):
     return params, xs, init
 
 
-def lstm_step(params, carry, x):
-    import jax
-    import jax.numpy as jnp
-
-    h, c = carry
-    z = x @ params["W"] + h @ params["U"] + params["b"]
-    i, f, g, o = jnp.split(z, 4, axis=-1)
-    c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-    h = jax.nn.sigmoid(o) * jnp.tanh(c)
-    return (h, c), jnp.mean(h * h)
-
-
 def segment_length(steps: int) -> int:
     """The divisor of ``steps`` closest to sqrt(steps) (the nested scans need one)."""
     divisors = [d for d in range(1, steps + 1) if steps % d == 0]
@@ -104,6 +92,8 @@ def make_loss(method: str, steps: int):
     import jax
     import jax.numpy as jnp
     from jax import lax
+
+    from _common import lstm_step
 
     def body(params):
         return lambda carry, x: lstm_step(params, carry, x)

@@ -62,15 +62,7 @@ def lstm(batch: int, hidden: int, steps: int, key):
     xs = jax.random.normal(k3, (steps, batch, hidden))
     init = (jnp.zeros((batch, hidden)), jnp.zeros((batch, hidden)))
 
-    def step(params, carry, x):
-        h, c = carry
-        z = x @ params["W"] + h @ params["U"] + params["b"]
-        i, f, g, o = jnp.split(z, 4, axis=-1)
-        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-        h = jax.nn.sigmoid(o) * jnp.tanh(c)
-        return (h, c), jnp.mean(h**2)
-
-    return step, params, init, xs
+    return _common.lstm_step, params, init, xs
 
 
 def transformer(tokens: int, width: int, steps: int, key):
