@@ -111,6 +111,12 @@ def counting_loss(counts, *, memory, host, max_steps):
     return grad
 
 
+def test_the_documented_evaluation_counts():
+    # The while_loop docstring's and the README's numbers: 1000 steps at memory=4.
+    counts = [planning.online_evaluations(4, 1000, host_memory=h) for h in (0, 8, 32, 1000)]
+    assert counts == [9376, 7146, 4559, 2000]
+
+
 @pytest.mark.parametrize("host, memory", [(1, 1), (3, 2), (3, 4), (8, 3), (math.inf, 3)])
 def test_evaluations_equal_the_two_level_model(host, memory):
     # n forward, then each host interval reversed with `memory` device slots: with every
