@@ -5,7 +5,7 @@
 #
 # on a machine with one NVIDIA GPU, Python 3 with jax[cuda], torch (CUDA), equinox,
 # pytest (pytest-xdist if present). memento need not be installed: src/ is put on
-# PYTHONPATH. Every part runs under `timeout`; the caps sum to 360 s:
+# PYTHONPATH. Every part runs under `timeout`; the caps sum to 410 s:
 #
 #   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   80 s
 #   (b) benchmarks/offload.py (device peak, host bytes, time, xla#46231 canary)       50 s
@@ -13,10 +13,11 @@
 #   (c) tests/pytorch/test_torch_device.py (memento.torch on CUDA)                    20 s
 #       benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
 #   (d) benchmarks/gpu_rnn.py --time-budget                                          110 s
+#   (e) benchmarks/small_loops.py at 10^4 steps (per-gradient ratios to the model)     50 s
 #
 # Writes, flat in $OUT: session.log (everything printed), offload.json, device_budget.json
 # (and each case's optimised HLO in device_budget_hlo/), torch_rnn.json,
-# torch_chain.json, gpu_rnn.json (also under benchmarks/results/gpu/). One part failing
+# torch_chain.json, gpu_rnn.json, small_loops.json (also under benchmarks/results/gpu/). One part failing
 # does not stop the others.
 #
 # GPU_SESSION_QUICK=1: tiny sizes on whatever device there is (CPU here), results in a
@@ -51,7 +52,8 @@ part() {
     say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
 }
 collect() {
-    for f in offload.json device_budget.json torch_rnn.json torch_chain.json gpu_rnn.json; do
+    for f in offload.json device_budget.json torch_rnn.json torch_chain.json gpu_rnn.json \
+        small_loops.json; do
         [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
     done
 }
@@ -121,6 +123,17 @@ if [ "$QUICK" = 1 ]; then
 else
     part gpu_rnn 110 "$PY" benchmarks/gpu_rnn.py --steps 1000,10000 --time-budget 90 \
         --case-timeout 45 --out "$RES/gpu_rnn.json"
+fi
+collect
+
+# (e) the small bodies of issue 20 on the GPU: memento (rows, recursion) against the
+# checkpointed scan and the plan's model; XLA:CPU's threshold flag does not apply here.
+if [ "$QUICK" = 1 ]; then
+    part small_loops 50 "$PY" benchmarks/small_loops.py --steps 1e3 --widths 4 \
+        --thresholds default --repeats 1 --out "$RES/small_loops.json"
+else
+    part small_loops 50 "$PY" benchmarks/small_loops.py --steps 1e4 --widths 4 \
+        --thresholds default --repeats 3 --out "$RES/small_loops.json"
 fi
 collect
 
