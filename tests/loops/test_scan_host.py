@@ -198,9 +198,9 @@ def test_host_stores_and_loads_are_placed_on_the_host(monkeypatch, host, cost):
 
 @pytest.mark.xfail(
     jax.default_backend() == "gpu",
-    reason="on an H200 (jax 0.11.2) the device temp bytes were 1.9x the one-level plan's, "
-    "measured when that plan ran as the recursion (docs/limitations.md, GitHub issue 24); "
-    "not yet re-run against the rows",
+    reason="on an H200 (jax 0.11.2, benchmarks/results/gpu/device_budget.json) the device "
+    "temp bytes with 5 host slots were 28.5 KB against 22.4 KB for the one-level plan on "
+    "the same rows executor: 12 carries over, not 4 (docs/limitations.md, GitHub issue 24)",
     strict=False,
 )
 def test_device_memory_is_the_one_level_plans_plus_the_host_pools():
@@ -218,15 +218,18 @@ def test_device_memory_is_the_one_level_plans_plus_the_host_pools():
     h0, xs = jnp.ones(64), jnp.ones((200, 64)) * 0.01
     carry = 64 * 8
 
-    def temp(**kw):
+    def temp(**kw):  # (device bytes, host bytes) of the gradient's temporaries
         g = jax.jit(jax.grad(lambda h, x: jnp.sum(memento.scan(f, h, x, **kw)[1])))
-        return g.lower(h0, xs).compile().memory_analysis().temp_size_in_bytes
+        m = g.lower(h0, xs).compile().memory_analysis()
+        return m.temp_size_in_bytes, getattr(m, "host_temp_size_in_bytes", 0) or 0
 
-    one = temp(memory=4, executor="rows")
+    one, _ = temp(memory=4, executor="rows")
     for host in (5, 20, math.inf):
         kw = dict(memory=4, host_memory=host, transfer_cost=0.5)
-        two = temp(**kw)
+        two, two_host = temp(**kw)
         s = memento.loops.scan_schedule(f, h0, xs, **kw)
         host_bytes = s.simulate().peak_host_memory * carry
-        assert two - host_bytes <= one + 4 * carry, (host, one, two, host_bytes)
-        assert two >= host_bytes  # the host pools are really allocated
+        if two_host == 0:  # the CPU: the host pools are counted in the temporary bytes
+            two, two_host = two - host_bytes, host_bytes
+        assert two <= one + 4 * carry, (host, one, two, host_bytes)
+        assert two_host >= host_bytes  # the host pools are really allocated
