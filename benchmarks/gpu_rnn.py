@@ -367,6 +367,9 @@ def parent(a) -> int:
     # lists them in `table_order`.
     methods = ["lax.scan", *(f"memento {f:g}%" for f in a.memento)]
     methods += ["lax.scan+ckpt", "nested sqrt(T)", *(f"equinox {f:g}%" for f in a.equinox)]
+    if a.methods:  # a follow-up run of some: a name, or its first word ("memento", "equinox")
+        keep = a.methods.split(",")
+        methods = [m for m in methods if m in keep or m.split()[0] in keep]
     out = {
         "benchmark": "gpu_rnn",
         "hidden": a.hidden,
@@ -467,6 +470,7 @@ def main(argv=None) -> int:
     p.add_argument("--memento", default="1,5,25", help="memento's memory, %% of T slots")
     p.add_argument("--equinox", default="5", help="equinox's checkpoints, %% of T")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", help="comma-separated methods or first words to run (default: all)")
     p.add_argument("--device-bytes", type=float, default=None, help="default 80e9")
     p.add_argument("--case-timeout", type=float, default=120.0)
     p.add_argument("--time-budget", type=float, default=None, help="seconds; no new case after")

@@ -88,7 +88,7 @@ if [ "$QUICK" = 1 ]; then
     XDIST=(); TESTS=(tests/loops/test_scan_host.py -k "host_stores or vmap_jit")
 fi
 part pytest 80 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    "$PY" -m pytest -o addopts="" -q -x -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}"
+    "$PY" -m pytest -o addopts="" -q -p no:cacheprovider "${XDIST[@]}" "${TESTS[@]}"
 
 # (b) host offload at equal device memory, with the canary for openxla/xla#46231.
 if [ "$QUICK" = 1 ]; then
