@@ -169,6 +169,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
     parser.add_argument("--no-headline", action="store_true", help="skip the T=1000 run")
+    parser.add_argument(
+        "--fractions", default="0.05,0.25", help="memento's budgets, fractions of plain's peak"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -178,7 +181,8 @@ def main(argv=None):
     else:
         torch.set_num_threads(1)  # a shared machine: one thread each, steadier times
     out = Path(args.out) if args.out else (RESULTS_GPU if gpu else RESULTS)
-    runs = [bench(args.steps, args.batch, args.hidden, (0.05, 0.25), args.repeats, args.device)]
+    fractions = tuple(float(f) for f in args.fractions.split(","))
+    runs = [bench(args.steps, args.batch, args.hidden, fractions, args.repeats, args.device)]
     if not args.no_headline:  # the paper's headline
         runs.append(bench(1000, args.batch, args.hidden, (0.05,), args.repeats, args.device))
     write_json(

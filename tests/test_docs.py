@@ -189,3 +189,35 @@ def test_readme_small_loops_table_is_results_small_loops_json():
             number, scale = _quantity(shown)
             seconds = row["seconds"]["memento recursion"]
             assert _shown(number, seconds, scale), (name, shown, seconds)
+
+
+def test_readme_gpu_lstm_table_is_results_gpu_gpu_rnn_json():
+    # Each number of the README's H200 LSTM table is a row of the three result files
+    # (the first that has the method at that T), its time ratio against that file's
+    # own lax.scan.
+    rows = {}
+    for name in ("gpu_rnn.json", "gpu_rnn_1e3_peers.json", "gpu_rnn_1e4.json"):
+        data = json.loads((ROOT / "benchmarks/results/gpu" / name).read_text())
+        lax = {r["steps"]: r["steady_s"] for r in data["rows"] if r["method"] == "lax.scan"}
+        for r in data["rows"]:
+            if "steady_s" in r:
+                rows.setdefault((r["method"], r["steps"]), (r, lax[r["steps"]]))
+    names = {"`lax.scan`": "lax.scan", "`lax.scan(jax.checkpoint(step))`": "lax.scan+ckpt",
+             "nested sqrt(T) `lax.scan`s": "nested sqrt(T)", "Equinox, 5% checkpoints": "equinox 5%"}  # fmt: skip
+    table = _table("`python benchmarks/gpu_rnn.py`")
+    assert table[0][0] == "method" and len(table) == 8
+    shown = 0
+    for name, *cells in table[1:]:
+        method = names.get(name, name)
+        for steps, (peak, time, ratio) in zip((1000, 10000), (cells[:3], cells[3:])):
+            if peak == "—":
+                assert (method, steps) not in rows or "memento" in method, (method, steps)
+                continue
+            row, lax = rows[method, steps]
+            number, unit = peak.split()
+            assert unit == "MiB" and _shown(number, row["peak_bytes"] / 2**20), (method, peak)
+            number, scale = _quantity(time)
+            assert _shown(number, row["steady_s"], scale), (method, steps, time)
+            assert _shown(ratio, row["steady_s"] / lax), (method, steps, ratio)
+            shown += 1
+    assert shown == 11

@@ -429,3 +429,25 @@ def test_no_tensor_waits_for_the_garbage_collector():
         gc.garbage.clear()
         gc.enable()
     assert leaked == []
+
+
+def test_auto_charges_nothing_for_a_kept_graph():
+    # The H200 run (benchmarks/results/gpu/torch_rnn.json): an LSTM step of alpha 8 at
+    # 1779 slots for 1000 steps was planned as HSM (every carry kept, 1,000 one-step
+    # backward calls, 2.05x plain autograd) where 355 slots, MSM, took 1.45x. JAX's
+    # charge for storing an internal state (a pool copy) made ISM look dearer than HSM;
+    # memento.torch keeps the step's graph and copies nothing, so it charges nothing.
+    def step(h, x):  # eight tanh outputs saved: alpha 9
+        for _ in range(8):
+            h = torch.tanh(h + x)
+        return h, None
+
+    h0, xs = torch.zeros(4, dtype=D), torch.zeros(1000, 4, dtype=D)
+    s = mt.scan_schedule(step, h0, xs, memory=1779)
+    assert s.alpha == 9 and s.memory == 1779
+    assert s.policy == "ism"
+    runs = 1000 - int(memento.planning.backward_runs(s).sum())
+    assert runs < 10 and s.cost < 2 * 1000 - 1  # HSM's: 1,999 evaluations, 1,000 runs
+    # JAX's executors copy internal states to a pool: the same planner charges for it.
+    jax_pick = memento.planning.choose_schedule(1000, 1779, 9, "auto", name="t")
+    assert jax_pick.policy == "hsm"

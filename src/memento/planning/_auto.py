@@ -43,23 +43,25 @@ def check_policy(fn: str, policy) -> Policy:
 # HSM and ISM have fast closed forms, MSM a table quadratic in the number of steps.
 _MSM_AUTO_SECONDS = 1.0
 
-# What "auto" charges for storing one internal state, in forward evaluations. Measured
-# (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a step's
-# residuals to the word pool and reading them back costs about 0.15 of a forward.
+# What "auto" charges for storing one internal state, in forward evaluations, in JAX.
+# Measured (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a
+# step's residuals to the word pool and reading them back costs about 0.15 of a forward.
 INTERNAL_STATE_CHARGE = 0.25
 
 
-def predicted_work(schedule: Schedule) -> float:
-    """Forward evaluations plus `INTERNAL_STATE_CHARGE` per internal state stored.
+def predicted_work(schedule: Schedule, internal_charge: float = INTERNAL_STATE_CHARGE) -> float:
+    """Forward evaluations plus ``internal_charge`` per internal state stored.
 
     The paper counts forward evaluations only; "auto" minimises this instead, so that a
-    plan storing internal states must save more than their memory traffic. With a byte
-    pool the charge was about one forward (bitcasts that add a byte axis are not free in
-    XLA:CPU) and MSM never won; with the word pool it is a fraction (see
-    ``memento.loops._pool``).
+    plan storing internal states must save more than their memory traffic. JAX's
+    executors copy a stored step's residuals into a pool and back: `INTERNAL_STATE_CHARGE`
+    (with a byte pool the charge was about one forward, bitcasts that add a byte axis
+    are not free in XLA:CPU, and MSM never won; with the word pool it is a fraction, see
+    ``memento.loops._pool``). `memento.torch` keeps the step's autograd graph as it is,
+    copying nothing, and passes 0.
     """
     saves = int(np.count_nonzero(schedule.actions[:, 0] == Op.SAVE_INTERNAL))
-    return schedule.cost + INTERNAL_STATE_CHARGE * saves
+    return schedule.cost + internal_charge * saves
 
 
 def auto_uses_msm(num_steps: int, memory: int, alpha: int) -> bool:
@@ -68,7 +70,11 @@ def auto_uses_msm(num_steps: int, memory: int, alpha: int) -> bool:
 
 
 def auto_policy(
-    num_steps: int, memory: int, alpha: int, exact: Callable[[str, int | None], Schedule]
+    num_steps: int,
+    memory: int,
+    alpha: int,
+    exact: Callable[[str, int | None], Schedule],
+    internal_charge: float = INTERNAL_STATE_CHARGE,
 ) -> Policy:
     """The policy of least `predicted_work` among HSM, ISM and MSM (beta = alpha).
 
@@ -81,14 +87,14 @@ def auto_policy(
     """
     hsm_work = float(hsm_cost(num_steps, memory))
     ism_work = (
-        ism_cost(num_steps, memory // alpha) + INTERNAL_STATE_CHARGE * num_steps
+        ism_cost(num_steps, memory // alpha) + internal_charge * num_steps
         if memory >= alpha
         else math.inf
     )
     best, work = ("hsm", hsm_work) if hsm_work <= ism_work else ("ism", ism_work)
     if auto_uses_msm(num_steps, memory, alpha):
         msm = exact("msm", alpha)
-        msm_work = predicted_work(msm)
+        msm_work = predicted_work(msm, internal_charge)
         if msm_work < work or (
             msm_work == work
             and msm.peak_memory < exact(best, None if best == "hsm" else alpha).peak_memory

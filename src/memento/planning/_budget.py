@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from ._auto import Policy, auto_policy
+from ._auto import INTERNAL_STATE_CHARGE, Policy, auto_policy
 from ._dp import plan
 from ._schedule import Schedule
 
@@ -143,9 +143,18 @@ def _plan(num_steps: int, memory: int, policy: Policy, alpha: int | None) -> Sch
     return plan(num_steps, memory, policy=policy, alpha=alpha)
 
 
-def choose_policy(num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str) -> Policy:
+def choose_policy(
+    num_steps: int,
+    slots: int,
+    alpha: int,
+    policy: Policy,
+    *,
+    name: str,
+    internal_charge: float = INTERNAL_STATE_CHARGE,
+) -> Policy:
     """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks (for HSM
-    without planning it, see `memento.planning.auto_policy`)."""
+    without planning it, see `memento.planning.auto_policy`; ``internal_charge`` is the
+    executor's cost of storing an internal state, see `predicted_work`)."""
     if policy == "ism" and slots < alpha:
         raise ValueError(
             f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
@@ -154,15 +163,25 @@ def choose_policy(num_steps: int, slots: int, alpha: int, policy: Policy, *, nam
         )
     if policy != "auto":
         return policy
-    return auto_policy(num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a))
+    return auto_policy(
+        num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a), internal_charge
+    )
 
 
 def choose_schedule(
-    num_steps: int, slots: int, alpha: int, policy: Policy, *, name: str
+    num_steps: int,
+    slots: int,
+    alpha: int,
+    policy: Policy,
+    *,
+    name: str,
+    internal_charge: float = INTERNAL_STATE_CHARGE,
 ) -> Schedule:
     """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
     `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
     """
-    policy = choose_policy(num_steps, slots, alpha, policy, name=name)
+    policy = choose_policy(
+        num_steps, slots, alpha, policy, name=name, internal_charge=internal_charge
+    )
     return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)

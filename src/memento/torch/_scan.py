@@ -172,7 +172,11 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
         slots = to_slots(budget, carry_bytes, name=name)
         # Above storing every internal state (and h_0) nothing is gained: cap the budget.
         slots = min(slots, loop.num_steps * alpha + 1)
-        schedule = choose_schedule(loop.num_steps, slots, alpha, policy, name=name)
+        # A stored internal state is the step's own autograd graph, kept, not copied:
+        # "auto" charges it nothing beyond its slots (JAX's pools charge a fraction).
+        schedule = choose_schedule(
+            loop.num_steps, slots, alpha, policy, name=name, internal_charge=0.0
+        )
     return rec0, schedule, alpha, residual + carry_bytes
 
 
