@@ -798,3 +798,52 @@ def test_vmap_evaluations_are_those_of_the_longest_member():
     jax.block_until_ready(jax.jit(jax.vmap(jax.grad(loss)))(jnp.stack([h0] * 3), ns))
     # The callback of a batched body runs once per batched evaluation.
     assert counts["forward"] == planning.online_evaluations(4, 60, 100)
+
+
+@pytest.mark.parametrize("memory", [2, 5])
+def test_buffer_written_twice_a_step_and_over_the_step_before(memory):
+    # The backward pass zeroes a written location's cotangent a step after reading it
+    # (deferred), except for a buffer written more than once a step, where the later
+    # write of the step must take the location's cotangent and the earlier none. Here
+    # each step writes row i twice (the second wins), and row i - 1 of the buffer
+    # written once a step (over the previous step's write); against the unrolled loop.
+    n = 9
+
+    def body(s):
+        i, h, two, once = s
+        h = jnp.tanh(w @ h + b)
+        two = two.at[i].set(h * 3.0)
+        two = two.at[i].set(h * (i + 1.0))
+        once = once.at[i].set(h)
+        return i + 1, h, two, once
+
+    def body_over(s):  # the buffer written once a step, over the row before
+        i, h, two, once = s
+        h = jnp.tanh(w @ h + b)
+        two = two.at[i].set(h * (i + 1.0))
+        once = once.at[jnp.maximum(i - 1, 0)].set(h * 0.5)
+        return i + 1, h, two, once
+
+    def loss(w, b, h0, step, loop):
+        init = (0, h0, jnp.zeros((n, H)), jnp.zeros((n, H)))
+        _, h, two, once = loop(step, init)
+        weights = jnp.arange(1.0, 1.0 + two.size).reshape(two.shape)
+        return jnp.sum(jnp.sin(two) * weights) + jnp.sum(once**2 * weights) + jnp.sum(h**2)
+
+    def ours(step, init):
+        return memento.while_loop(
+            lambda s: s[0] < n, step, init, max_steps=n, memory=memory,
+            buffers=lambda s: (s[2], s[3]),
+        )  # fmt: skip
+
+    def unrolled(step, init):
+        for _ in range(n):
+            init = step(init)
+        return init
+
+    w, b, h0 = params(3)
+    for step in (body, body_over):
+        got = jax.grad(loss, argnums=(0, 1, 2))(w, b, h0, step, ours)
+        want = jax.grad(loss, argnums=(0, 1, 2))(w, b, h0, step, unrolled)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
