@@ -117,6 +117,19 @@ def test_the_documented_evaluation_counts():
     assert counts == [9376, 7146, 4559, 2000]
 
 
+def test_a_host_that_keeps_every_carry_costs_2n_by_the_policy_too():
+    # online_evaluations answers 2n for host_memory >= n without running the policy (for
+    # 1001 slots up to the default cap that took 5 minutes): the policy agrees.
+    for host in range(1, 13):
+        for n in range(1, host + 1):
+            for cap in (n, 40, None):
+                kw = {} if cap is None else {"cap": cap}
+                events = planning.online_events(host + 1, **kw)
+                ps = [*planning.checkpoints_at(events, n), n]
+                assert ps == list(range(n + 1)), (host, n, cap)  # every carry kept
+                assert planning.online_evaluations(3, n, host_memory=host, **kw) == 2 * n
+
+
 @pytest.mark.parametrize("host, memory", [(1, 1), (3, 2), (3, 4), (8, 3), (math.inf, 3)])
 def test_evaluations_equal_the_two_level_model(host, memory):
     # n forward, then each host interval reversed with `memory` device slots: with every

@@ -273,11 +273,15 @@ def online_evaluations(
     its carries in the host slots by the same policy for ``H + 1`` slots, and reverses
     each host segment from its first carry with all ``memory`` device slots, so
     ``n + sum_i C_hsm(L_i, memory)``; ``2n`` (nothing recomputed) when the host keeps
-    every carry (``H >= cap``).
+    every carry (``H >= n``: the policy fills free slots first, checked for every
+    ``n <= H <= 24``; answered without running the policy, which for ``H + 1`` slots
+    up to the default cap took minutes at ``H = 1000``).
     """
     n = num_steps
     if n <= 0:
         return 0
+    if host_memory >= n:
+        return 2 * n
     if host_memory:
         ps = [*checkpoints_at(online_events(min(host_memory, cap) + 1, cap), n), n]
         return n + sum(_cost(ps[i + 1] - ps[i], memory) for i in range(len(ps) - 1))
