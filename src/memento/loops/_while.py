@@ -622,18 +622,26 @@ def _write(array, index, value, pred=None) -> jax.Array:
     return array.at[index].set(value)
 
 
+def _places(write_spec) -> list[int]:
+    """Each write's first output among a step's ``ys``: a whole buffer takes one; an
+    indexed write its index leaves, its value and, if conditional, its predicate."""
+    places, k = [], 0
+    for _, n_idx, conditional in write_spec:
+        places.append(k)
+        k += 1 if n_idx == _WHOLE else n_idx + 1 + conditional
+    return places
+
+
 def _apply_writes(bufs, ys, write_spec) -> list:
     """The buffers after one step's writes (``ys``: per write, its index leaves, its value
     and, for a conditional write, its predicate)."""
     bufs = list(bufs)
-    k = 0
-    for j, n_idx, conditional in write_spec:
+    for (j, n_idx, conditional), k in zip(write_spec, _places(write_spec)):
         if n_idx == _WHOLE:
-            bufs[j], k = ys[k], k + 1
+            bufs[j] = ys[k]
             continue
         index, value = tuple(ys[k : k + n_idx]), ys[k + n_idx]
         bufs[j] = _write(bufs[j], index, value, ys[k + n_idx + 1] if conditional else None)
-        k += n_idx + 1 + conditional
     return bufs
 
 
@@ -992,15 +1000,12 @@ def _deferred(write_spec, buf_float) -> list[bool]:
 
 def _no_clears(body: Body, buf_float, write_spec) -> list:
     """The pending clears before the last step back: none (every predicate False)."""
-    out, k = [], 0
-    for (_, n_idx, conditional), defer in zip(write_spec, _deferred(write_spec, buf_float)):
-        if n_idx == _WHOLE:
-            k += 1
-            continue
+    out = []
+    places, deferred = _places(write_spec), _deferred(write_spec, buf_float)
+    for (_, n_idx, _), k, defer in zip(write_spec, places, deferred):
         if defer:
             index = [jnp.zeros(a.shape, a.dtype) for a in body.y_avals[k : k + n_idx]]
             out.append((index, jnp.bool_(False)))
-        k += n_idx + 1 + conditional
     return out
 
 
@@ -1034,12 +1039,8 @@ def _buffer_cts(body: Body, buf_float, write_spec, e, ys, aux):
     ct_b, pending = aux
     ct_b = _clear(ct_b, pending, buf_float, write_spec)
     where = np.cumsum([0, *buf_float])  # buffer number -> index among float buffers
-    # Each write's place among the step's outputs, and its cotangent (None: not a float
-    # write, or its value not differentiated).
-    places, k = [], 0
-    for _, n_idx, conditional in write_spec:
-        places.append(k)
-        k += 1 if n_idx == _WHOLE else n_idx + 1 + conditional
+    # Each write's cotangent (None: not a float write, or its value not differentiated).
+    places = _places(write_spec)
     cts: list = [None] * len(write_spec)
     pending = []
     # Last write first: where a step writes one location twice, the later write takes
