@@ -847,3 +847,43 @@ def test_buffer_written_twice_a_step_and_over_the_step_before(memory):
         want = jax.grad(loss, argnums=(0, 1, 2))(w, b, h0, step, unrolled)
         for x, y in zip(got, want):
             np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_buffer_cotangents_under_hessian_vmap_and_a_zero_size_buffer():
+    # The deferred clears and the reversed reads of `_buffer_cts` under forward-over-
+    # reverse (jacfwd of grad) and vmap, with a buffer of zero-size rows beside one
+    # written twice a step and one written once: against the unrolled loop, float64.
+    n = 7
+
+    def step(s):
+        i, h, two, once, empty = s
+        h = jnp.tanh(w @ h + b)
+        two = two.at[i].set(h * 3.0).at[i].set(h * (i + 1.0))
+        once = once.at[i].set(h**2)
+        empty = empty.at[i].set(jnp.zeros(0))
+        return i + 1, h, two, once, empty
+
+    def loss(h0, loop):
+        init = (0, h0, jnp.zeros((n, H)), jnp.zeros((n, H)), jnp.zeros((n, 0)))
+        _, h, two, once, empty = loop(init)
+        assert empty.shape == (n, 0)
+        weights = jnp.arange(1.0, 1.0 + two.size).reshape(two.shape)
+        return jnp.sum(jnp.sin(two) * weights) + jnp.sum(once * weights) + jnp.sum(h**2)
+
+    def ours(init):
+        return memento.while_loop(
+            lambda s: s[0] < n, step, init, max_steps=n, memory=3,
+            buffers=lambda s: (s[2], s[3], s[4]),
+        )  # fmt: skip
+
+    def unrolled(init):
+        for _ in range(n):
+            init = step(init)
+        return init
+
+    w, b, h0 = params(4)
+    hessian = jax.jacfwd(jax.grad(loss))
+    np.testing.assert_allclose(hessian(h0, ours), hessian(h0, unrolled), rtol=1e-12, atol=1e-12)
+    batched = jax.vmap(jax.grad(loss), in_axes=(0, None))
+    h0s = jnp.stack([h0, 0.5 * h0])
+    np.testing.assert_allclose(batched(h0s, ours), batched(h0s, unrolled), rtol=1e-12, atol=1e-12)
