@@ -1,7 +1,9 @@
 """memento.scan against lax.scan: values, gradients, transformations, counts, program size."""
 
 import functools
+import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,8 @@ from jax import lax
 import memento
 from memento.loops import _budget, _scan
 from memento.loops._interpreter import compile_schedule
+
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
 T, H = 11, 3
 
@@ -78,8 +82,52 @@ def test_auto_runs_the_schedules_of_the_gradient_cases():
         auto = _rnn_schedule("auto", memory)
         assert auto == _rnn_schedule(auto.policy, memory), memory
         assert auto.policy in ("hsm", "msm"), memory
-        if memory <= 3 or memory >= 8:
+        # Where the rows cost extra per step (a GPU), auto may keep HSM on the recursion.
+        rows_free = _scan.auto_charges(auto.num_steps, "auto").rows_step == 0
+        if rows_free and (memory <= 3 or memory >= 8):
             assert auto.policy == ("hsm" if memory <= 3 else "msm"), memory
+
+
+def test_auto_charges_the_rows_by_backend():
+    # The rows' per-step charge applies where HSM would run as the recursion: on a GPU
+    # with executor="auto", never with the executor forced (then every policy runs as
+    # forced), and on CPU below 2^16 steps HSM runs on the rows too.
+    gpu = _scan.auto_charges(1000, "auto", "gpu")
+    assert gpu.rows_step == 1.25 and gpu.internal == memento.planning.INTERNAL_STATE_CHARGE
+    for args in [(1000, "rows", "gpu"), (1000, "recursion", "gpu"), (1000, "auto", "cpu"),
+                 (2**16, "auto", "cpu"), (1000, "auto", "tpu")]:  # fmt: skip
+        assert _scan.auto_charges(*args).rows_step == 0, args
+
+
+def test_the_gpu_rows_charge_is_what_the_h200_measured():
+    # The table's charge from the committed H200 run (results/gpu/lstm_policy.json): the
+    # same HSM plan on the rows and on the recursion at 50 slots, and HSM at 250 slots
+    # for the evaluation's marginal time. Under it, auto picks the plan that ran fastest
+    # at both budgets, where without it (as on CPU) it picked MSM at 250 and lost.
+    rows = json.loads((RESULTS / "gpu" / "lstm_policy.json").read_text())
+    at = {(r["slots"], r["policy"], r["executor"]): r for r in rows}
+    extra = at[50, "hsm", "rows"]["steady_s"] - at[50, "auto", "auto"]["steady_s"]
+    dt = at[50, "auto", "auto"]["steady_s"] - at[250, "hsm", "auto"]["steady_s"]
+    evals = at[50, "auto", "auto"]["cost_per_step"] - at[250, "hsm", "auto"]["cost_per_step"]
+    measured = extra / (dt / evals)  # evaluations a step
+    charge = _scan.auto_charges(1000, "auto", "gpu").rows_step
+    assert abs(measured - charge) < 0.05, measured
+    alpha = at[250, "auto", "auto"]["alpha"]
+    for slots in (50, 250):
+        fastest = min((r for r in rows if r["slots"] == slots), key=lambda r: r["steady_s"])
+        gpu = _budget.choose_policy(1000, slots, alpha, "auto", name="t",
+                                    charges=_scan.auto_charges(1000, "auto", "gpu"))  # fmt: skip
+        assert gpu == fastest["planned"] == "hsm", slots
+    cpu = _budget.choose_policy(1000, 250, alpha, "auto", name="t")
+    assert cpu == at[250, "auto", "auto"]["planned"] == "msm"
+    # The README's picks: that LSTM (alpha 8, 1000 steps) and the 4x4 cell (alpha 4,
+    # 10^4 steps), on CPU and on a GPU.
+    for t, a, cpu_msm_from in [(1000, 8, 100), (10**4, 4, 10)]:
+        for slots in (10, 50, 100, 250):
+            picks = [_budget.choose_policy(t, slots, a, "auto", name="t",
+                                           charges=_scan.auto_charges(t, "auto", backend))
+                     for backend in ("cpu", "gpu")]  # fmt: skip
+            assert picks == ["msm" if slots >= cpu_msm_from else "hsm", "hsm"], (t, slots)
 
 
 @pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])

@@ -3,7 +3,14 @@
 import pytest
 
 import memento
-from memento.planning import INTERNAL_STATE_CHARGE, plan, plan_estimate, predicted_work
+from memento.planning import (
+    INTERNAL_STATE_CHARGE,
+    Charges,
+    auto_policy,
+    plan,
+    plan_estimate,
+    predicted_work,
+)
 
 
 @pytest.mark.parametrize("t", [1, 2, 7, 30, 120])
@@ -26,6 +33,36 @@ def test_predicted_work_charges_internal_states():
     s = plan(10, 10, policy="ism")
     assert predicted_work(s) == s.cost + 10 * INTERNAL_STATE_CHARGE
     assert predicted_work(plan(10, 4, policy="hsm")) == plan(10, 4, policy="hsm").cost
+
+
+def test_predicted_work_charges_the_rows_per_step_but_for_hsm():
+    c = Charges(internal=0.5, rows_step=1.25)
+    ism, msm, hsm = (
+        plan(10, 10, policy="ism"),
+        plan(40, 9, policy="msm", alpha=3),
+        plan(40, 4, policy="hsm"),
+    )
+    assert predicted_work(ism, c) == ism.cost + 10 * 0.5 + 10 * 1.25
+    saves = int((msm.actions[:, 0] == memento.Op.SAVE_INTERNAL).sum())
+    assert predicted_work(msm, c) == msm.cost + saves * 0.5 + 40 * 1.25
+    assert predicted_work(hsm, c) == hsm.cost  # HSM runs as the recursion: no rows
+
+
+@pytest.mark.parametrize("t,m,alpha", [(1000, 250, 8), (200, 20, 3), (50, 12, 2), (30, 31, 1)])
+def test_a_rows_charge_moves_auto_to_hsm_only_as_far_as_it_outweighs(t, m, alpha):
+    def exact(policy, a):
+        return plan(t, m, policy=policy, alpha=a)  # pyright: ignore[reportArgumentType]
+
+    for rows_step in (0.0, 0.1, 0.5, 1.25, 4.0):
+        c = Charges(rows_step=rows_step)
+        got = auto_policy(t, m, alpha, exact, c)
+        works = {"hsm": float(plan(t, m, policy="hsm").cost)}
+        if m >= alpha and alpha > 1:
+            works["msm"] = predicted_work(exact("msm", alpha), c)
+        if m >= alpha:
+            works["ism"] = predicted_work(exact("ism", alpha), c)
+        assert works[got] == min(works.values()), (rows_step, got, works)
+    assert auto_policy(t, m, alpha, exact, Charges(rows_step=t)) == "hsm"
 
 
 def test_auto_defaults_alpha_to_one():

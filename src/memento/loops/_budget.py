@@ -3,6 +3,7 @@ executors import."""
 
 from ..planning import (
     Bytes as Bytes,
+    Charges as Charges,
     bytes_budget as bytes_budget,
     choose_policy as choose_policy,
     choose_schedule as choose_schedule,

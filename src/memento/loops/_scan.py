@@ -29,6 +29,7 @@ from ._body import (
 )
 from ._budget import (
     Bytes,
+    Charges,
     choose_policy,
     choose_schedule,
     internal_slots,
@@ -371,6 +372,30 @@ def recursion_min_steps(backend: str | None = None) -> int:
     return _RECURSION_FROM.get(backend or jax.default_backend(), 1)
 
 
+# What a step on the rows costs beyond one on the recursion, in forward evaluations of
+# the body, by platform: `policy="auto"`'s `Charges.rows_step`. Measured on an H200
+# (jax 0.11.2, results/gpu/lstm_policy.json, one process): the same HSM plan for an LSTM
+# (width 1024, batch 128, 1000 steps, 50 slots) took 0.290 s on the rows and 0.240 s on
+# the recursion, 50.6 us a step; an evaluation of that step costs 41.4 us at the margin
+# (HSM at 250 slots, 0.2 evaluations a step fewer, took 8.3 ms less): 1.22, rounded to
+# 1.25. The 4x4 cell of results/gpu/small_loops.json lost 47 us a step on the rows too:
+# the extra is the executor's (a schedule row read and a branch per loop iteration), not
+# the body's, so a body cheaper than the LSTM's pays more than this in evaluations and
+# one dearer less. On CPU the two executors are within -35% to +12% of each other per
+# gradient (above): no charge. TPUs are not measured: no charge.
+_ROWS_STEP_CHARGE = {"gpu": 1.25}
+
+
+def auto_charges(num_steps: int, executor: Executor, backend: str | None = None) -> Charges:
+    """The `Charges` under which ``policy="auto"`` picks a plan for ``num_steps`` steps
+    run by ``executor`` on ``backend`` (default: JAX's default backend): the pool's
+    charge per internal state stored and, where HSM would run as the recursion and ISM
+    and MSM on the rows, the rows' measured extra per step (`_ROWS_STEP_CHARGE`)."""
+    backend = backend or jax.default_backend()
+    recursion = executor == "auto" and num_steps >= recursion_min_steps(backend)
+    return Charges(rows_step=_ROWS_STEP_CHARGE.get(backend, 0.0) if recursion else 0.0)
+
+
 def check_executor(name: str, executor, policy: Policy) -> Executor:
     """``executor`` validated at the boundary (see `memento.scan`)."""
     if executor not in _EXECUTORS:
@@ -521,10 +546,11 @@ def _plan(
         return _plan_two_level(
             body, spec, num_steps, slots, alpha, policy, host, carry_bytes, name=name
         )
+    charges = auto_charges(num_steps, executor)
     chosen = (
         "hsm"
         if executor == "recursion"
-        else choose_policy(num_steps, slots, alpha, policy, name=name)
+        else choose_policy(num_steps, slots, alpha, policy, name=name, charges=charges)
     )
     if chosen == "hsm":
         slots = min(slots, useful_slots(num_steps, alpha, "hsm"))
@@ -536,7 +562,7 @@ def _plan(
     m = slots
     while True:
         # Fewer slots may change what auto picks: choose again at each size.
-        schedule = choose_schedule(num_steps, m, alpha, policy, name=name)
+        schedule = choose_schedule(num_steps, m, alpha, policy, name=name, charges=charges)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes

@@ -21,6 +21,7 @@ measured layers (`plan_layers`, a `ChainPlan`).
 
 from ._auto import (
     INTERNAL_STATE_CHARGE as INTERNAL_STATE_CHARGE,
+    Charges as Charges,
     Policy as Policy,
     auto_policy as auto_policy,
     check_policy as check_policy,

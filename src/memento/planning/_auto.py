@@ -8,6 +8,7 @@ It is NumPy planner logic; the executors only measure alpha and call `plan`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Literal, cast
@@ -18,7 +19,14 @@ from ._closed import hsm_cost, ism_cost
 from ._msm import msm_estimate_s
 from ._schedule import Op, Schedule
 
-__all__ = ["INTERNAL_STATE_CHARGE", "POLICIES", "Policy", "check_policy", "predicted_work"]
+__all__ = [
+    "INTERNAL_STATE_CHARGE",
+    "POLICIES",
+    "Charges",
+    "Policy",
+    "check_policy",
+    "predicted_work",
+]
 
 Policy = Literal["auto", "hsm", "ism", "msm"]
 POLICIES: tuple[Policy, ...] = ("auto", "hsm", "ism", "msm")
@@ -49,19 +57,39 @@ _MSM_AUTO_SECONDS = 1.0
 INTERNAL_STATE_CHARGE = 0.25
 
 
-def predicted_work(schedule: Schedule, internal_charge: float = INTERNAL_STATE_CHARGE) -> float:
-    """Forward evaluations plus ``internal_charge`` per internal state stored.
+@dataclasses.dataclass(frozen=True)
+class Charges:
+    """What ``"auto"`` charges a plan beyond the paper's forward evaluations, in forward
+    evaluations: the executor's costs that counting evaluations does not see.
+
+    Attributes:
+        internal: per internal state stored. JAX's executors copy a stored step's
+            residuals into a pool and back: `INTERNAL_STATE_CHARGE` (with a byte pool the
+            charge was about one forward, bitcasts that add a byte axis are not free in
+            XLA:CPU, and MSM never won; with the word pool it is a fraction, see
+            ``memento.loops._pool``). `memento.torch` keeps the step's autograd graph as
+            it is, copying nothing, and charges 0.
+        rows_step: per step, for a plan that runs on the rows (ISM and MSM) where HSM
+            would run as the recursion, which reads no schedule. 0 where the two cost
+            alike per step (CPU); `memento.scan` passes what it measured on a GPU (see
+            ``memento.loops._scan.auto_charges``).
+    """
+
+    internal: float = INTERNAL_STATE_CHARGE
+    rows_step: float = 0.0
+
+
+def predicted_work(schedule: Schedule, charges: Charges = Charges()) -> float:
+    """Forward evaluations plus the executor's `Charges`: ``charges.internal`` per
+    internal state stored, and ``charges.rows_step`` per step unless the plan is HSM.
 
     The paper counts forward evaluations only; "auto" minimises this instead, so that a
-    plan storing internal states must save more than their memory traffic. JAX's
-    executors copy a stored step's residuals into a pool and back: `INTERNAL_STATE_CHARGE`
-    (with a byte pool the charge was about one forward, bitcasts that add a byte axis
-    are not free in XLA:CPU, and MSM never won; with the word pool it is a fraction, see
-    ``memento.loops._pool``). `memento.torch` keeps the step's autograd graph as it is,
-    copying nothing, and passes 0.
+    plan storing internal states must save more than their memory traffic, and a plan on
+    the rows more than what the rows cost beyond the recursion.
     """
     saves = int(np.count_nonzero(schedule.actions[:, 0] == Op.SAVE_INTERNAL))
-    return schedule.cost + internal_charge * saves
+    rows = 0.0 if schedule.policy == "hsm" else charges.rows_step * schedule.num_steps
+    return schedule.cost + charges.internal * saves + rows
 
 
 def auto_uses_msm(num_steps: int, memory: int, alpha: int) -> bool:
@@ -74,9 +102,10 @@ def auto_policy(
     memory: int,
     alpha: int,
     exact: Callable[[str, int | None], Schedule],
-    internal_charge: float = INTERNAL_STATE_CHARGE,
+    charges: Charges = Charges(),
 ) -> Policy:
-    """The policy of least `predicted_work` among HSM, ISM and MSM (beta = alpha).
+    """The policy of least `predicted_work` among HSM, ISM and MSM (beta = alpha), under
+    the executor's ``charges``.
 
     ``exact(policy, alpha)`` plans one policy for these ``num_steps`` and ``memory`` (it is
     `plan`; taken as an argument so that this module does not import the DP's). HSM and
@@ -87,14 +116,14 @@ def auto_policy(
     """
     hsm_work = float(hsm_cost(num_steps, memory))
     ism_work = (
-        ism_cost(num_steps, memory // alpha) + internal_charge * num_steps
+        ism_cost(num_steps, memory // alpha) + (charges.internal + charges.rows_step) * num_steps
         if memory >= alpha
         else math.inf
     )
     best, work = ("hsm", hsm_work) if hsm_work <= ism_work else ("ism", ism_work)
     if auto_uses_msm(num_steps, memory, alpha):
         msm = exact("msm", alpha)
-        msm_work = predicted_work(msm, internal_charge)
+        msm_work = predicted_work(msm, charges)
         if msm_work < work or (
             msm_work == work
             and msm.peak_memory < exact(best, None if best == "hsm" else alpha).peak_memory

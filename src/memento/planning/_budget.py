@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from ._auto import INTERNAL_STATE_CHARGE, Policy, auto_policy
+from ._auto import Charges, Policy, auto_policy
 from ._dp import plan
 from ._schedule import Schedule
 
@@ -150,11 +150,11 @@ def choose_policy(
     policy: Policy,
     *,
     name: str,
-    internal_charge: float = INTERNAL_STATE_CHARGE,
+    charges: Charges | None = None,
 ) -> Policy:
-    """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks (for HSM
-    without planning it, see `memento.planning.auto_policy`; ``internal_charge`` is the
-    executor's cost of storing an internal state, see `predicted_work`)."""
+    """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks under
+    the executor's ``charges`` (default: JAX's, `Charges()`; for HSM without planning it,
+    see `memento.planning.auto_policy`)."""
     if policy == "ism" and slots < alpha:
         raise ValueError(
             f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
@@ -164,7 +164,7 @@ def choose_policy(
     if policy != "auto":
         return policy
     return auto_policy(
-        num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a), internal_charge
+        num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a), charges or Charges()
     )
 
 
@@ -175,13 +175,11 @@ def choose_schedule(
     policy: Policy,
     *,
     name: str,
-    internal_charge: float = INTERNAL_STATE_CHARGE,
+    charges: Charges | None = None,
 ) -> Schedule:
     """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
 
     `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
     """
-    policy = choose_policy(
-        num_steps, slots, alpha, policy, name=name, internal_charge=internal_charge
-    )
+    policy = choose_policy(num_steps, slots, alpha, policy, name=name, charges=charges)
     return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)

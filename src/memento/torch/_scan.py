@@ -10,6 +10,7 @@ import torch
 
 from ..planning import (
     Bytes,
+    Charges,
     Policy,
     Schedule,
     check_policy,
@@ -175,7 +176,7 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
         # A stored internal state is the step's own autograd graph, kept, not copied:
         # "auto" charges it nothing beyond its slots (JAX's pools charge a fraction).
         schedule = choose_schedule(
-            loop.num_steps, slots, alpha, policy, name=name, internal_charge=0.0
+            loop.num_steps, slots, alpha, policy, name=name, charges=Charges(internal=0.0)
         )
     return rec0, schedule, alpha, residual + carry_bytes
 
