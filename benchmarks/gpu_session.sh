@@ -5,20 +5,20 @@
 #
 # on a machine with one NVIDIA GPU, Python 3 with jax[cuda], torch (CUDA), equinox,
 # pytest (pytest-xdist if present). memento need not be installed: src/ is put on
-# PYTHONPATH. Every part runs under `timeout`; the caps sum to 410 s:
+# PYTHONPATH. Every part runs under `timeout`; the caps sum to 420 s:
 #
 #   (a) pytest: tests/loops/test_scan.py, test_scan_recursion.py, test_scan_host.py   80 s
 #   (b) benchmarks/offload.py (device peak, host bytes, time, xla#46231 canary)       50 s
 #       benchmarks/device_budget.py (two-level vs one-level temp bytes per executor)  30 s
 #   (c) tests/pytorch/test_torch_device.py (memento.torch on CUDA)                    20 s
 #       benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
-#   (d) benchmarks/gpu_rnn.py --time-budget                                          110 s
+#   (d) benchmarks/gpu_policy.py: auto against forced plans, LSTM and 4x4 cell  60 + 60 s
 #   (e) benchmarks/small_loops.py at 10^4 steps (per-gradient ratios to the model)     50 s
 #
 # Writes, flat in $OUT: session.log (everything printed), offload.json, device_budget.json
 # (and each case's optimised HLO in device_budget_hlo/), torch_rnn.json,
-# torch_chain.json, gpu_rnn.json, small_loops.json (also under benchmarks/results/gpu/). One part failing
-# does not stop the others.
+# torch_chain.json, lstm_policy.json, cell_policy.json, small_loops.json (also under
+# benchmarks/results/gpu/). One part failing does not stop the others.
 #
 # GPU_SESSION_QUICK=1: tiny sizes on whatever device there is (CPU here), results in a
 # temporary folder, to check that every part starts.
@@ -52,8 +52,8 @@ part() {
     say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
 }
 collect() {
-    for f in offload.json device_budget.json torch_rnn.json torch_chain.json gpu_rnn.json \
-        small_loops.json; do
+    for f in offload.json device_budget.json torch_rnn.json torch_chain.json \
+        lstm_policy.json cell_policy.json small_loops.json; do
         [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
     done
 }
@@ -116,14 +116,19 @@ part torch_chain 30 "$PY" benchmarks/torch_chain.py --device "$TDEV" "${CHAIN[@]
     --out "$RES/torch_chain.json"
 collect
 
-# (d) the LSTM benchmark; its own budget stops new cases 20 s before the cap.
+# (d) auto's picks against forced policies and executors (issue 20): the LSTM and the 4x4
+# cell, in one process each. auto charges the rows per step on a GPU since this part's
+# first LSTM run (results/gpu/lstm_policy.json); it should now plan HSM in every case.
+# (gpu_rnn.py, the part here before, has its results in results/gpu/gpu_rnn*.json.)
 if [ "$QUICK" = 1 ]; then
-    part gpu_rnn 110 "$PY" benchmarks/gpu_rnn.py --quick --steps 100 --memento 5 \
-        --time-budget 60 --out "$RES/gpu_rnn.json"
+    POLICY=(--small --repeats 1)
 else
-    part gpu_rnn 110 "$PY" benchmarks/gpu_rnn.py --steps 1000,10000 --time-budget 90 \
-        --case-timeout 45 --out "$RES/gpu_rnn.json"
+    POLICY=(--repeats 5)
 fi
+part gpu_policy_lstm 60 "$PY" benchmarks/gpu_policy.py "$RES/lstm_policy.json" \
+    --problem lstm "${POLICY[@]}"
+part gpu_policy_cell 60 "$PY" benchmarks/gpu_policy.py "$RES/cell_policy.json" \
+    --problem cell "${POLICY[@]}"
 collect
 
 # (e) the small bodies of issue 20 on the GPU: memento (rows, recursion) against the
