@@ -65,6 +65,14 @@ def test_a_rows_charge_moves_auto_to_hsm_only_as_far_as_it_outweighs(t, m, alpha
     assert auto_policy(t, m, alpha, exact, Charges(rows_step=t)) == "hsm"
 
 
+def test_charges_are_checked():
+    with pytest.raises(TypeError, match=r"charges must be a memento\.planning\.Charges"):
+        predicted_work(plan(10, 4, policy="hsm"), 0.0)  # pyright: ignore[reportArgumentType]
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="Charges: rows_step must be a number >= 0"):
+            Charges(rows_step=bad)  # pyright: ignore[reportArgumentType]
+
+
 def test_auto_defaults_alpha_to_one():
     a, b = plan(50, 5, policy="auto"), plan(50, 5, policy="auto", alpha=1)
     assert (a.policy, a.alpha, a.cost) == (b.policy, b.alpha, b.cost) == ("ism", 1, 125)

@@ -78,6 +78,23 @@ class Charges:
     internal: float = INTERNAL_STATE_CHARGE
     rows_step: float = 0.0
 
+    def __post_init__(self):
+        for name in ("internal", "rows_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(
+                    f"Charges: {name} must be a number >= 0 (forward evaluations), got {value!r}."
+                )
+
+
+def _checked(charges) -> Charges:
+    if not isinstance(charges, Charges):
+        raise TypeError(
+            "memento.planning: charges must be a memento.planning.Charges (e.g. "
+            f"Charges(internal=0.0)), got {charges!r}."
+        )
+    return charges
+
 
 def predicted_work(schedule: Schedule, charges: Charges = Charges()) -> float:
     """Forward evaluations plus the executor's `Charges`: ``charges.internal`` per
@@ -87,6 +104,7 @@ def predicted_work(schedule: Schedule, charges: Charges = Charges()) -> float:
     plan storing internal states must save more than their memory traffic, and a plan on
     the rows more than what the rows cost beyond the recursion.
     """
+    charges = _checked(charges)
     saves = int(np.count_nonzero(schedule.actions[:, 0] == Op.SAVE_INTERNAL))
     rows = 0.0 if schedule.policy == "hsm" else charges.rows_step * schedule.num_steps
     return schedule.cost + charges.internal * saves + rows
@@ -114,6 +132,7 @@ def auto_policy(
     cheap enough to plan, is planned and priced from its rows. So an HSM pick costs no
     rows at all, and `memento.scan` can run it without any (`memento.loops._recursion`).
     """
+    charges = _checked(charges)
     hsm_work = float(hsm_cost(num_steps, memory))
     ism_work = (
         ism_cost(num_steps, memory // alpha) + (charges.internal + charges.rows_step) * num_steps
