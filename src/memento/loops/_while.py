@@ -412,7 +412,9 @@ def _in_order(num_slots: int, carry_avals, arrays) -> bool:
     Where a larger array makes it such a graph anyway, a pool per dtype keeps the writes
     of a slot in one chain, which that executor runs faster than as many independent
     writes (SaveAt(ts=100), whose output is 1600 bytes: 0.67 against 0.73 of the time of
-    Diffrax's RecursiveCheckpointAdjoint)."""
+    Diffrax's RecursiveCheckpointAdjoint). Sizes are a batch member's under vmap, as
+    the budget's (the benchmark's batch of 8 solves, per leaf now, runs as fast as it
+    did with pools per dtype)."""
     leaf = max((nbytes([a]) for a in carry_avals), default=0)
     biggest = max((nbytes([jax.typeof(x)]) for x in arrays), default=0)
     return max(num_slots, 1) * leaf <= SMALL_ARRAY_BYTES and biggest <= SMALL_ARRAY_BYTES
