@@ -206,12 +206,14 @@ def while_loop(
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
         does not keep every carry (``max_steps`` is None or at least the budget) is used
         as 128 slots, with a warning: the online policy's planning time grows as the cube
-        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). More slots are
-        never slower per gradient: the backward (`memento.loops._recursion`) keeps slot
-        d - 1 for stack depth d and computes splits with no table, so a push costs O(1)
-        whatever the budget. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps (2 shared CPU
-        cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots take
-        5.1/3.5/3.5/3.2/3.0/3.0 ms; of a 256-wide MLP, 39/24/18/16/14/14 ms. (The loop it
+        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). A push costs O(1)
+        whatever the budget: the backward (`memento.loops._recursion`) keeps slot d - 1
+        for stack depth d and computes splits with no table. More slots can be slower
+        where a tiny carry's slots then pass 512 bytes a leaf: XLA:CPU then runs the
+        loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps
+        (2 shared CPU cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots
+        take 3.9/2.7/2.1/2.0/3.1/3.1 ms (4 floats at 63 slots: 1008 bytes); of a
+        256-wide MLP, 38/24/18/16/14/14 ms. (The loop it
         replaced kept a free list and found each split with nested loops; a backward
         iteration then exceeded the 1 KiB of memory traffic under which XLA:CPU
         compiles a loop as one kernel, and a tiny body paid ~1.4 us per step once its
@@ -703,6 +705,11 @@ def _differentiable_run(
     store_pos = np.append(store_pos, big).astype(np.int32)
     store_slot = np.append(store_slot, 0).astype(np.int32)
     store_until = np.append(_given_up(events), big).astype(np.int32)
+    # In pieces only where the loop can run in order (`_in_order`, which then also gives
+    # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
+    # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms against
+    # 3.2 per gradient, `benchmarks/recursion.py`).
+    pieces = _TABLE_PIECES if per_leaf else 1
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
     def cond(cond_consts, c, bufs):
@@ -756,10 +763,10 @@ def _differentiable_run(
         # every backward step, the longest of the members' recomputations.)
         def body_fn(state):
             p, ptr, c, (hidden, held), bufs, n, active = state
-            keep = read_table(store_pos, ptr, _TABLE_PIECES) == p
+            keep = read_table(store_pos, ptr, pieces) == p
             if num_slots:
-                slot = read_table(store_slot, ptr, _TABLE_PIECES)
-                until = read_table(store_until, ptr, _TABLE_PIECES)
+                slot = read_table(store_slot, ptr, pieces)
+                until = read_table(store_until, ptr, pieces)
                 hidden, held = _keep(
                     hidden, held, slot, c, body.carry_avals, keep, p, until, per_leaf
                 )
