@@ -10,8 +10,9 @@ push saves no evaluation, so none is made). Then advance to ``h_e`` and back-pro
 step e fused; a carry is popped once its own step has been. This is Griewank and
 Walther's binomial recursion (the paper's HSM, eq. (1)-(3)) unrolled one push at a time,
 with the split computed on the device from its closed form (`memento.planning.hsm_split`,
-here from binomials stepped up a level at a time, `hsm_split_on_device`). No schedule
-rows are materialised, and no table: the state is O(slots).
+here from a table of binomials, `hsm_splitter`, or, in a loop that XLA:CPU can run in
+order, from binomials stepped up a level at a time, `hsm_split_on_device`). No schedule
+rows are materialised: the state is O(slots), the table O(sqrt(steps)).
 
 `memento.while_loop` fills the stack online in its forward pass (n is unknown until the
 predicate fails); `memento.scan` with the HSM policy fills it with the recursion's own
@@ -73,6 +74,95 @@ def _pick(when, yes, no):
     dtype = jnp.result_type(yes, no)  # a Python int takes the other's type
     yes, no = jnp.asarray(yes, dtype), jnp.asarray(no, dtype)
     return lax.select(when, yes, no)
+
+
+_TOP = _SAT  # splits are tabulated for every t an int32 step counter allows (the same bound)
+
+
+@functools.lru_cache(maxsize=32)
+def _binomials(slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``B(m, w) = binom(m + w, w)`` for ``4 <= m <= slots``, as far as splits of any
+    int32 length look: a flat int32 table (saturated at ``_SAT``) and row offsets.
+
+    Row m runs to the level ``W(m)``, the smallest w with ``B(m, w) >= 2^31 - 1``, so the
+    table depends on the budget only, never on the number of steps: the program of a
+    scan of 10^3 steps and of 10^8 is the same (GitHub issue 20: XLA:GPU compiles large
+    constants slowly). Rows 1 to 3 have closed forms (`_binomial`), and rows from 4 on
+    are short: about 1.9 thousand entries at 100 slots, 6.9 thousand at 1000.
+    """
+    # Rows m >= 4 column by column (NumPy over m; a row ends at its first entry >= _TOP,
+    # so the rows still open shrink fast).
+    ms = np.arange(4, max(slots, 3) + 1, dtype=np.int64)
+    lengths = np.ones(len(ms), np.int64)  # B(m, 0) = 1
+    last = np.ones(len(ms), np.int64)
+    columns = []
+    open_ = np.flatnonzero(last < _TOP)
+    w = 0
+    while len(open_):
+        w += 1
+        last[open_] = np.minimum(last[open_] * (ms[open_] + w) // w, _SAT)
+        lengths[open_] += 1
+        columns.append((w, open_, last[open_]))
+        open_ = open_[last[open_] < _TOP]
+    offsets = np.zeros(max(slots, 3) + 1, np.int64)  # offsets[m], m = 0..slots (0 for m < 4)
+    offsets[4:] = np.cumsum(np.array([0, *lengths]))[:-1]
+    table = np.ones(max(int(lengths.sum()), 1), np.int64)  # column 0: B(m, 0) = 1
+    for w, rows, values in columns:
+        table[offsets[rows + 4] + w] = values
+    return table.astype(np.int32), offsets.astype(np.int32)
+
+
+def _binomial(tab, off, m, w):
+    """``B(m, w) = binom(m + w, w)`` on int32 scalars, ``m >= 1``, ``w >= 0``, saturated
+    at ``_SAT``: closed forms for m = 1 (``w + 1``), m = 2 (``(w + 1)(w + 2) / 2``) and
+    m = 3 (that times ``(w + 3) / 3``), the table (`_binomials`) from m = 4 on.
+
+    No product wraps: row 2 is computed for ``w <= 65534`` (halving the even factor
+    first) and row 3 for ``w <= 2342`` (dividing by 3 before the last product), the last
+    levels below 2^31 - 1; past them the value saturates.
+    """
+    small = jnp.minimum(w, 65534)
+    s1, s2 = small + 1, small + 2
+    tri = _pick(s1 % 2 == 0, (s1 // 2) * s2, s1 * (s2 // 2))
+    tri = _pick(w >= 65535, jnp.int32(_SAT), tri)
+    # binom(w + 3, 3) = tri * (w + 3) / 3 with tri = (q * 3 + r): q * (w + 3) is at most
+    # the result, and r * (w + 3), a multiple of 3, is small.
+    small3 = jnp.minimum(w, 2342)
+    tri3 = ((small3 + 1) * (small3 + 2)) // 2
+    q, r = tri3 // 3, tri3 % 3
+    tet = _pick(w >= 2343, jnp.int32(_SAT), q * (small3 + 3) + (r * (small3 + 3)) // 3)
+    row = _get(tab, _pick(m >= 4, _get(off, m) + w, 0))
+    return _pick(m == 1, w + 1, _pick(m == 2, tri, _pick(m == 3, tet, row)))
+
+
+def hsm_splitter(slots: int) -> Callable:
+    """`memento.planning.hsm_split` (high=True) on int32 scalars, for
+    ``2 <= t < 2^31 - 1`` and ``2 <= m <= slots``, from closed forms and a table of
+    binomials whose size depends on ``slots`` only (`_binomials`).
+
+    The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
+    with ``B(m, w) >= t`` (a search from w = 1, short but for the smallest m), then the
+    split takes every increment below level w and the ties from g first. Three binomials
+    and a few integer ops: the recursion runs it once per push, inside loops that XLA:CPU
+    compiles as one kernel only while small (see `backward`).
+    """
+    table, offsets = _binomials(max(slots, 2))
+
+    def split(t, m):
+        tab, off = jnp.asarray(table), jnp.asarray(offsets)
+
+        def b(m, w):  # binom(m + w, w), w >= 0
+            return _binomial(tab, off, m, w)
+
+        s = t - 2
+        w = lax.while_loop(lambda w: b(m, w) < t, lambda w: w + 1, jnp.int32(1))
+        base_g = _pick(w >= 2, b(m, jnp.maximum(w - 2, 0)) - 1, 0)
+        h_level = b(m - 1, w - 1)  # binom(m + w - 2, w - 1)
+        n_g = _pick(w >= 2, h_level, 0)
+        taken = base_g + jnp.minimum(s - base_g - (h_level - 1), n_g)
+        return 1 + _pick(s <= 0, 0, taken)
+
+    return split
 
 
 def _next_binomial(b, m, w):
@@ -285,17 +375,21 @@ def backward(
 
     On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time at about
     0.3 us each, only while one iteration's cost model accesses under 1 KiB and holds no
-    sort or scatter. The loop is kept that small: splits are computed with no table, no
-    slot array but the positions, no ``cond``. A tiny body's backward (a 4-float carry)
-    then runs as one kernel at any budget. A loop run an op at a time runs them in order
-    in the calling thread only while no array it touches exceeds 512 bytes
-    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): the splits read no constant array,
-    and with ``per_leaf`` the slots of each carry leaf are a pool of their own. (With a
-    pool per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2)
-    ran its backward as a dataflow graph, at 1.3x the time of its
+    sort or scatter. The loop is kept that small: splits come from a table (three
+    reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
+    4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
+    them in order in the calling thread only while no array it touches exceeds 512 bytes
+    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``per_leaf`` the slots of
+    each carry leaf are a pool of their own and the splits read no table. (With a pool
+    per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2) ran
+    its backward as a dataflow graph, at 1.3x the time of its
     ``RecursiveCheckpointAdjoint``'s.)
     """
     never = jnp.int32(np.iinfo(np.int32).max)
+    # Where the loop can run in order (``per_leaf``), splits with no table; else from the
+    # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
+    # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6).
+    split = hsm_split_on_device if per_leaf else hsm_splitter(slots)
 
     def next_push(e, p, depth):
         # Where the recursion pushes next from h_p with the stack at ``depth``: only while
@@ -304,7 +398,7 @@ def backward(
         # (its results discarded) until the last member is; it must not push.
         ok = (e >= first) & (e - p + 1 >= 3) & (slots - depth >= 2)
         # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
-        y = hsm_split_on_device(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
+        y = split(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
         return _pick(ok, p + y, never)
 
     def step(state):

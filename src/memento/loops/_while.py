@@ -208,7 +208,7 @@ def while_loop(
         as 128 slots, with a warning: the online policy's planning time grows as the cube
         of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). A push costs O(1)
         whatever the budget: the backward (`memento.loops._recursion`) keeps slot d - 1
-        for stack depth d and computes splits with no table. More slots can be slower
+        for stack depth d and computes splits in closed form. More slots can be slower
         where a tiny carry's slots then pass 512 bytes a leaf: XLA:CPU then runs the
         loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps
         (2 shared CPU cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots
