@@ -13,7 +13,7 @@ from jax import lax
 
 import memento
 from memento import planning
-from memento.loops._recursion import hsm_splitter
+from memento.loops._recursion import hsm_split_on_device, hsm_splitter
 from memento.planning._closed import hsm_cost, hsm_split
 
 H = 3
@@ -150,8 +150,9 @@ def test_byte_budget_and_closure_over_pytree():
         assert_close(grad(p, h0, memory), ref)
 
 
-def test_device_split_equals_closed_form():
-    f = jax.jit(hsm_splitter(128))
+@pytest.mark.parametrize("table", [True, False])
+def test_device_split_equals_closed_form(table):
+    f = jax.jit(hsm_splitter(128) if table else hsm_split_on_device)
     big = [65535 * 65536 // 2, 65535 * 65536 // 2 + 1, 2**31 - 2]  # row 2's saturation
     for m in [2, 3, 4, 5, 8, 17, 30, 128]:
         for t in [2, 3, 4, 5, 9, 10, 44, 45, 46, 100, 1000, 4567, 99_999, 1_000_000, *big]:

@@ -374,6 +374,37 @@ def read_index(a, i):
     return lax.dynamic_index_in_dim(a, i, 0, keepdims=False, allow_negative_indices=False)
 
 
+# XLA:CPU runs the ops of a computation (a loop body, a branch, the program) one after
+# the other in the calling thread only while every array they touch, those of the loops
+# and conditionals they hold included, has at most this many bytes (its ThunkExecutor's
+# ``execute_sequential_buffer_threshold``); otherwise as a dataflow graph over its thread
+# pool, which costs a tiny step microseconds more. `memento.while_loop` keeps its loops
+# under it where the carry is small.
+SMALL_ARRAY_BYTES = 512
+
+
+def read_table(table: np.ndarray, i, pieces: int):
+    """``table[i]`` for a constant 1-D NumPy ``table`` and ``0 <= i < len(table)``.
+
+    Where ``pieces`` constants of equal length hold it within `SMALL_ARRAY_BYTES` each,
+    it is split so, each piece read at ``i`` (clamped) and the right one selected: one
+    fusion, and a loop that reads it stays one that XLA:CPU runs op after op. A longer
+    table is read whole. The number of pieces is fixed, not their length, so tables of
+    any length up to that bound are read by the same program (but for the constants'
+    shapes): it does not grow with the table.
+    """
+    n = max(1, -(-len(table) // pieces))  # rows per piece
+    if n * table.itemsize > SMALL_ARRAY_BYTES:
+        return read_index(jnp.asarray(table), i)
+    padded = np.resize(table, n * pieces)  # the pad repeats rows, never read
+    out = read_index(jnp.asarray(padded[:n]), i)
+    for start in range(n, n * pieces, n):
+        # A negative offset clamps to 0 (not wrapped); that piece is not selected.
+        v = read_index(jnp.asarray(padded[start : start + n]), i - start)
+        out = lax.select(i >= start, v, out)
+    return out
+
+
 def x_at(xs, p) -> list:
     """Step p's slice of ``xs``; ``xs`` may be a function of p (`memento.while_loop`'s
     ``active`` input)."""

@@ -367,6 +367,8 @@ class Pools:
         hidden_avals, internal_avals: the leaves of one hidden / internal state (tag
             included).
         groups: ``(dtype, shape, explicit sharding or None, varying axes)`` of each pool.
+        hidden_pool, internal_pool: the pool of each leaf of a hidden / internal state
+            (None: zero-size, not stored).
         hidden_size, internal_size: entries of each pool that one state takes.
         sizes: entries of each pool (its peak over the schedule).
     """
@@ -374,6 +376,8 @@ class Pools:
     hidden_avals: tuple
     internal_avals: tuple
     groups: tuple
+    hidden_pool: tuple
+    internal_pool: tuple
     hidden_size: tuple[int, ...]
     internal_size: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -388,24 +392,44 @@ class Pools:
         *,
         tagged: bool = False,
         host: bool = False,
+        per_leaf: bool = False,
         name: str = "memento",
     ) -> Pools:
         """Pools for states of these leaves, sized by ``tops``: rows ``(nh, ni)`` of
-        states on the stack after each save (the peak is among them)."""
-        if tagged:
-            hidden_avals, internal_avals = (*hidden_avals, TAG), (*internal_avals, TAG)
-        stored = [a for a in (*hidden_avals, *internal_avals) if _group(a) is not None]
-        groups = tuple(dict.fromkeys(_group(a) for a in stored))
+        states on the stack after each save (the peak is among them).
 
-        def size(avals):
+        ``per_leaf``: a pool for each leaf of a hidden state (no internal states), of one
+        entry per slot, rather than one per ``(dtype, shape)``. The same bytes, in smaller
+        arrays: XLA:CPU runs a loop body's ops one after the other, in the calling
+        thread, only while every array they touch holds at most 512 bytes; past that, it
+        runs them as a dataflow graph over its thread pool, at a few microseconds more
+        per iteration (`memento.while_loop` keeps small carries' slots so)."""
+        if per_leaf:
+            assert not internal_avals, "per_leaf pools hold hidden states only"
+            hidden_avals = (*hidden_avals, TAG) if tagged else hidden_avals
+            keys = [_group(a) for a in hidden_avals]
+            at = np.cumsum([k is not None for k in keys]) - 1
+            hidden_pool = tuple(None if k is None else int(j) for k, j in zip(keys, at))
+            groups = tuple(k for k in keys if k is not None)
+            internal_pool: tuple = ()
+        else:
+            if tagged:
+                hidden_avals, internal_avals = (*hidden_avals, TAG), (*internal_avals, TAG)
+            stored = [a for a in (*hidden_avals, *internal_avals) if _group(a) is not None]
+            groups = tuple(dict.fromkeys(_group(a) for a in stored))
+            hidden_pool, internal_pool = (
+                tuple(None if _group(a) is None else groups.index(_group(a)) for a in avals)
+                for avals in (hidden_avals, internal_avals)
+            )
+
+        def size(pool_of):
             out = [0] * len(groups)
-            for a in avals:
-                g = _group(a)
-                if g is not None:
-                    out[groups.index(g)] += 1
+            for j in pool_of:
+                if j is not None:
+                    out[j] += 1
             return tuple(out)
 
-        hs, is_ = size(hidden_avals), size(internal_avals)
+        hs, is_ = size(hidden_pool), size(internal_pool)
         tops = np.asarray(tops, np.int64).reshape(-1, 2)
         sizes = tuple(
             int((tops[:, 0] * h + tops[:, 1] * i).max()) if len(tops) else 0
@@ -413,7 +437,16 @@ class Pools:
         )
         checked_int32(sizes, "a slot pool's number of entries", name=name)
         return Pools(
-            tuple(hidden_avals), tuple(internal_avals), groups, hs, is_, sizes, tagged, host
+            tuple(hidden_avals),
+            tuple(internal_avals),
+            groups,
+            hidden_pool,
+            internal_pool,
+            hs,
+            is_,
+            sizes,
+            tagged,
+            host,
         )
 
     @property
@@ -439,7 +472,9 @@ class Pools:
         return [nh * h + ni * i for h, i in zip(self.hidden_size, self.internal_size)]
 
     def _avals(self, kind: str):
-        return self.hidden_avals if kind == "h" else self.internal_avals
+        if kind == "h":
+            return zip(self.hidden_avals, self.hidden_pool)
+        return zip(self.internal_avals, self.internal_pool)
 
     def in_bounds(self, nh, ni, kind: str):
         """Whether a state of ``kind`` at ``(nh, ni)`` lies within every pool."""
@@ -465,12 +500,10 @@ class Pools:
                 list(pools),
             )
         pools, starts = list(pools), self._starts(nh, ni)
-        for leaf, aval in zip(leaves, self._avals(kind)):
-            g = _group(aval)
-            if g is None:
+        for leaf, (aval, j) in zip(leaves, self._avals(kind)):
+            if j is None:
                 continue
-            j = self.groups.index(g)
-            w = to_storage(leaf, aval).astype(g[0])
+            w = to_storage(leaf, aval).astype(self.groups[j][0])
             if when is not None:
                 w = pick(when, w, get(pools[j], starts[j]))
             # The copy to the host: an annotated placement XLA turns into a transfer.
@@ -483,13 +516,11 @@ class Pools:
         their storage form, e.g. key data, to be mixed with others before
         `from_storage`)."""
         out, starts = [], self._starts(nh, ni)
-        for aval in self._avals(kind):
-            g = _group(aval)
-            if g is None:  # zero-size: nothing stored
+        for aval, j in self._avals(kind):
+            if j is None:  # zero-size: nothing stored
                 s = storage_aval(aval)
                 x = zeros(s.shape, s.dtype, varying(aval), explicit_sharding(aval))
             else:
-                j = self.groups.index(g)
                 x = (
                     _host_get(0)(pools[j], starts[j])
                     if on_host(pools[j])

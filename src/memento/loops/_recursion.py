@@ -10,8 +10,9 @@ push saves no evaluation, so none is made). Then advance to ``h_e`` and back-pro
 step e fused; a carry is popped once its own step has been. This is Griewank and
 Walther's binomial recursion (the paper's HSM, eq. (1)-(3)) unrolled one push at a time,
 with the split computed on the device from its closed form (`memento.planning.hsm_split`,
-here from a table of binomials). No schedule rows are materialised: the state is
-O(slots), the table O(sqrt(steps)).
+here from a table of binomials, `hsm_splitter`, or, in a loop that XLA:CPU can run in
+order, from binomials stepped up a level at a time, `hsm_split_on_device`). No schedule
+rows are materialised: the state is O(slots), the table O(sqrt(steps)).
 
 `memento.while_loop` fills the stack online in its forward pass (n is unknown until the
 predicate fails); `memento.scan` with the HSM policy fills it with the recursion's own
@@ -164,6 +165,56 @@ def hsm_splitter(slots: int) -> Callable:
     return split
 
 
+def _next_binomial(b, m, w):
+    """``B(m, w) = binom(m + w, w)`` from ``b = B(m, w - 1) < 2^31 - 1``, saturated at
+    ``_SAT``: ``b (m + w) / w = b + b m / w``, exact with no product wrapping.
+
+    With ``q, r = divmod(b, w)``, ``b m / w = q m + r m / w``, all three integers. The
+    level w and m are small together (``B(m, w - 1) < 2^31`` needs ``min(m, w) <= 17``,
+    and w < 65536 for m >= 2), so ``r m < w m`` fits int32 for m below 10^8; ``q m`` is
+    taken only where the sum stays below ``_SAT``.
+    """
+    q, r = b // w, b % w
+    room = (_SAT - b) // m  # the largest q with b + q m <= _SAT
+    base = b + jnp.minimum(q, room) * m
+    exact = base + jnp.minimum((r * m) // w, _SAT - base)
+    return _pick(q > room, jnp.int32(_SAT), exact)
+
+
+def hsm_split_on_device(t, m):
+    """`memento.planning.hsm_split` (high=True) on int32 scalars, for
+    ``2 <= t < 2^31 - 1`` and ``2 <= m < 10^8``.
+
+    The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest
+    with ``B(m, w) = binom(m + w, w) >= t``, then the split takes every increment below
+    level w and the ties from g first. The search from w = 1 (short but for the smallest
+    m) steps ``B(m, w)`` by `_next_binomial`, keeping the two binomials below level w,
+    which give the two the split needs: ``B(m, w - 2)`` and, by Pascal's rule,
+    ``B(m - 1, w - 1) = B(m, w - 1) - B(m, w - 2)``. No table: a loop that splits reads
+    no constant array, which on XLA:CPU would make it a dataflow graph (see `backward`).
+    """
+    t, m = jnp.asarray(t, jnp.int32), jnp.asarray(m, jnp.int32)
+
+    # The loop's state is (w, B(m, w - 2), B(m, w - 1)): fewer values than with B(m, w)
+    # carried too, which on XLA:CPU costs ops around the loop (Diffrax's save loop).
+    def below(state):  # B(m, w) < t
+        w, _, b1 = state
+        return _next_binomial(b1, m, w) < t
+
+    def up(state):
+        w, _, b1 = state
+        return w + 1, b1, _next_binomial(b1, m, w)
+
+    # At w = 1: B(m, -1) = 0 (binom(m - 1, -1)) and B(m, 0) = 1.
+    w, b2, b1 = lax.while_loop(below, up, (jnp.int32(1), jnp.int32(0), jnp.int32(1)))
+    s = t - 2
+    base_g = _pick(w >= 2, b2 - 1, 0)
+    h_level = b1 - b2  # B(m - 1, w - 1)
+    n_g = _pick(w >= 2, h_level, 0)
+    taken = base_g + jnp.minimum(s - base_g - (h_level - 1), n_g)
+    return 1 + _pick(s <= 0, 0, taken)
+
+
 def first_pushes(num_steps: int, slots: int) -> list[int]:
     """Positions the recursion pushes before the backward of step ``num_steps - 1``.
 
@@ -189,32 +240,53 @@ def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
 # Slots: one stack per carry leaf, with a leading slot axis
 
 
-def _hidden_pools(avals, num_slots: int, *, host: bool = False) -> _pool.Pools:
+def _hidden_pools(
+    avals, num_slots: int, *, host: bool = False, per_leaf: bool = False
+) -> _pool.Pools:
     """The pools of ``num_slots`` carries: `memento.loops._pool`'s one slot layout, with
-    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``), tagged
-    with their positions in debug mode (`_pool.checks_enabled`)."""
+    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``; with
+    ``per_leaf``, a pool per leaf), tagged with their positions in debug mode
+    (`_pool.checks_enabled`)."""
     return _pool.Pools.of(
-        tuple(avals), (), np.array([[num_slots, 0]]), tagged=_pool.checks_enabled(), host=host
+        tuple(avals),
+        (),
+        np.array([[num_slots, 0]]),
+        tagged=_pool.checks_enabled(),
+        host=host,
+        per_leaf=per_leaf,
     )
 
 
-def allocate(avals, num_slots: int, *, host: bool = False, place: bool = True) -> list:
+def allocate(
+    avals, num_slots: int, *, host: bool = False, place: bool = True, per_leaf: bool = False
+) -> list:
     """Zeroed pools for ``num_slots`` carries (`_pool.Pools`); ``host``: in host memory
     where there is one and ``place`` (`_pool.Pools.allocate`). `write` and `load_hidden`
     copy to and from pools that lie on the host."""
-    return _hidden_pools(avals, num_slots, host=host).allocate(place=place)
+    return _hidden_pools(avals, num_slots, host=host, per_leaf=per_leaf).allocate(place=place)
 
 
-def write(stacks, index, values, avals, when=None, *, pos: int | jax.Array = 0) -> list:
+def write(
+    stacks, index, values, avals, when=None, *, pos: int | jax.Array = 0, per_leaf: bool = False
+) -> list:
     """Stores the carry ``values``, ``h_pos``, in slot ``index`` (only where ``when``, a
     scalar bool, holds)."""
-    pools = _hidden_pools(avals, 0)
+    pools = _hidden_pools(avals, 0, per_leaf=per_leaf)
     if pools.tagged:
         values = [*values, jnp.asarray(2 * pos, jnp.int32)]
     return pools.write(stacks, index, 0, values, "h", when)
 
 
-def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos: int | jax.Array = 0) -> list:
+def load_hidden(
+    stacks,
+    init,
+    slot,
+    avals,
+    num_slots: int,
+    *,
+    pos: int | jax.Array = 0,
+    per_leaf: bool = False,
+) -> list:
     """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``); in
     debug mode checked to be ``h_pos``.
 
@@ -223,7 +295,7 @@ def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos: int | jax.Arr
     """
     if num_slots == 0:  # no slots: h_0 is the only carry kept
         return list(init)
-    pools = _hidden_pools(avals, num_slots)
+    pools = _hidden_pools(avals, num_slots, per_leaf=per_leaf)
     stored = pools.read(stacks, slot, 0, "h", stored=True)
     if pools.tagged:
         ok = (stored[-1] == 2 * pos) & (slot < num_slots)
@@ -239,9 +311,9 @@ def load_hidden(stacks, init, slot, avals, num_slots: int, *, pos: int | jax.Arr
 # The backward pass
 
 
-def reorder(stacks, order, avals) -> list:
+def reorder(stacks, order, avals, per_leaf: bool = False) -> list:
     """The pools with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
-    pools = _hidden_pools(avals, 0)
+    pools = _hidden_pools(avals, 0, per_leaf=per_leaf)
     out = []
     for b, h in zip(stacks, pools.hidden_size):
         entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)).reshape(-1)
@@ -266,6 +338,7 @@ def backward(
     give_cts: Callable,
     unroll: int = 1,
     first: int | jax.Array = 0,
+    per_leaf: bool = False,
 ):
     """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the kept
     stack.
@@ -288,6 +361,8 @@ def backward(
         first: the last step to back-propagate (a traced or static int): ``h_first`` is
             ``init``. `memento.while_loop` with a host level runs the recursion once per
             interval between host checkpoints, from the interval's first carry.
+        per_leaf: the slots' layout, a pool per carry leaf (`_pool.Pools.of`), as the
+            caller allocated and wrote them.
 
     Returns:
         ``(ct_k, ct_init, aux)``.
@@ -302,10 +377,19 @@ def backward(
     0.3 us each, only while one iteration's cost model accesses under 1 KiB and holds no
     sort or scatter. The loop is kept that small: splits come from a table (three
     reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
-    4-float carry) then runs as one kernel at any budget.
+    4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
+    them in order in the calling thread only while no array it touches exceeds 512 bytes
+    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``per_leaf`` the slots of
+    each carry leaf are a pool of their own and the splits read no table. (With a pool
+    per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2) ran
+    its backward as a dataflow graph, at 1.3x the time of its
+    ``RecursiveCheckpointAdjoint``'s.)
     """
     never = jnp.int32(np.iinfo(np.int32).max)
-    split = hsm_splitter(slots)
+    # Where the loop can run in order (``per_leaf``), splits with no table; else from the
+    # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
+    # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6).
+    split = hsm_split_on_device if per_leaf else hsm_splitter(slots)
 
     def next_push(e, p, depth):
         # Where the recursion pushes next from h_p with the stack at ``depth``: only while
@@ -322,7 +406,9 @@ def backward(
         # Pop the carry whose step was the last back-propagated.
         depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
         b = _get(stack_pos, depth)
-        c = load_hidden(stacks, init, depth - 1, body.carry_avals, slots - 1, pos=b)
+        c = load_hidden(
+            stacks, init, depth - 1, body.carry_avals, slots - 1, pos=b, per_leaf=per_leaf
+        )
         if slots > 1:
             # Advance from push to push, writing each, then on to h_e: one loop.
             def segment(state):
@@ -331,7 +417,8 @@ def backward(
                 to = jnp.minimum(q, e)
                 c = advance_steps(body, consts, c, xs, p, to - p, unroll)
                 push = q < e
-                stacks = write(stacks, depth, c, body.carry_avals, push, pos=to)  # depth + 1
+                # At depth + 1.
+                stacks = write(stacks, depth, c, body.carry_avals, push, pos=to, per_leaf=per_leaf)
                 above = _pick(push, q, _get(stack_pos, depth + 1))
                 stack_pos = _put(stack_pos, depth + 1, above)
                 return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push

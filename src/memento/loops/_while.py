@@ -58,7 +58,7 @@ from ._body import (
     varying_in_step,
 )
 from ._budget import Bytes, parse_memory, to_slots
-from ._interpreter import read_index
+from ._interpreter import SMALL_ARRAY_BYTES, read_index, read_table
 from ._pool import _convert_element_type, under_forward_mode, varying
 from ._scan import host_slots, parse_host_memory
 
@@ -70,6 +70,13 @@ _NAME = "memento.while_loop"
 # extra slots would save, offline (HSM's C(n, m) / n): at n = 10^5, 3.92 at 128 slots
 # against 3.67 at 256 and 2.99 at 1024; at n = 10^4, 3.15 / 2.97 / 2.90.
 _MAX_POLICY_SLOTS = 128
+# The forward pass reads each column of its event table (int32) from this many constants
+# (`_interpreter.read_table`): every table up to 2048 rows, all those of budgets up to 16
+# slots (1102 rows unbounded) and of 32 slots up to 10^5 steps (933), in pieces of at
+# most 512 bytes, the loop then running op after op on XLA:CPU where its carry is small
+# (Diffrax's adaptive solve with SaveAt(ts=2) took 1.5x the time of its forward pass
+# with the table read whole); longer tables are read whole.
+_TABLE_PIECES = 16
 
 
 def while_loop(
@@ -199,12 +206,14 @@ def while_loop(
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
         does not keep every carry (``max_steps`` is None or at least the budget) is used
         as 128 slots, with a warning: the online policy's planning time grows as the cube
-        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). More slots are
-        never slower per gradient: the backward (`memento.loops._recursion`) keeps slot
-        d - 1 for stack depth d and reads splits from a table, so a push costs O(1)
-        whatever the budget. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps (2 shared CPU
-        cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots take
-        5.1/3.5/3.5/3.2/3.0/3.0 ms; of a 256-wide MLP, 39/24/18/16/14/14 ms. (The loop it
+        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). A push costs O(1)
+        whatever the budget: the backward (`memento.loops._recursion`) keeps slot d - 1
+        for stack depth d and computes splits in closed form. More slots can be slower
+        where a tiny carry's slots then pass 512 bytes a leaf: XLA:CPU then runs the
+        loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps
+        (2 shared CPU cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots
+        take 3.9/2.7/2.1/2.0/3.1/3.1 ms (4 floats at 63 slots: 1008 bytes); of a
+        256-wide MLP, 38/24/18/16/14/14 ms. (The loop it
         replaced kept a free list and found each split with nested loops; a backward
         iteration then exceeded the 1 KiB of memory traffic under which XLA:CPU
         compiles a loop as one kernel, and a tiny body paid ~1.4 us per step once its
@@ -371,6 +380,9 @@ def while_loop(
         is_loop_buffer,
         write_spec,
         host=bool(host),
+        per_leaf=_in_order(
+            max(slots, int(host)), body.carry_avals, [*body.consts, *loop_cond_consts, *buffers0]
+        ),
     )
     carry, bufs = call_reverse_mode_only(
         run,
@@ -391,6 +403,23 @@ def while_loop(
     # predicate ends with it false).
     still = jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *final)[0]
     return out, jnp.asarray(still, jnp.bool_)
+
+
+def _in_order(num_slots: int, carry_avals, arrays) -> bool:
+    """Whether the loop's slots get a pool per carry leaf: where each leaf's slots, and
+    every array the loop reads or carries (``arrays``: consts, buffers), hold at most
+    `_interpreter.SMALL_ARRAY_BYTES`. XLA:CPU can then run its loops op after op in the
+    calling thread (Diffrax's adaptive solve with SaveAt(ts=2): a pool per dtype, 600
+    bytes for its five int64 counters, made it a dataflow graph over the thread pool).
+    Where a larger array makes it such a graph anyway, a pool per dtype keeps the writes
+    of a slot in one chain, which that executor runs faster than as many independent
+    writes (SaveAt(ts=100), whose output is 1600 bytes: 0.67 against 0.73 of the time of
+    Diffrax's RecursiveCheckpointAdjoint). Sizes are a batch member's under vmap, as
+    the budget's (the benchmark's batch of 8 solves, per leaf now, runs as fast as it
+    did with pools per dtype)."""
+    leaf = max((nbytes([a]) for a in carry_avals), default=0)
+    biggest = max((nbytes([jax.typeof(x)]) for x in arrays), default=0)
+    return max(num_slots, 1) * leaf <= SMALL_ARRAY_BYTES and biggest <= SMALL_ARRAY_BYTES
 
 
 def _policy_slots(slots: int, steps: int | None, what: str) -> int:
@@ -659,6 +688,7 @@ def _differentiable_run(
     is_buffer,
     write_spec,
     host: bool = False,
+    per_leaf: bool = False,
 ):
     """The loop as a ``custom_vjp`` function of (consts, cond_consts, init, buffers), flat
     leaves; it returns ``(carry, buffers)``.
@@ -666,6 +696,7 @@ def _differentiable_run(
     The forward keeps carries where ``events`` say: in device slots, or with ``host`` in
     host slots. The backward back-propagates by the recursion in ``slots`` device slots
     (``h_0`` included): over the kept stack, or with ``host`` over each host interval.
+    ``per_leaf``: the slots' layout (`_in_order`).
     """
     num_slots = events.memory - 1  # physical slots of the kept level; h_0 is the caller's
     store_pos, store_slot = events.store_rows
@@ -673,9 +704,12 @@ def _differentiable_run(
     big = np.iinfo(np.int32).max
     store_pos = np.append(store_pos, big).astype(np.int32)
     store_slot = np.append(store_slot, 0).astype(np.int32)
-    row_pos = events.pos.astype(np.int32)
-    row_slot = events.slot.astype(np.int32)
-    row_store = events.store
+    store_until = np.append(_given_up(events), big).astype(np.int32)
+    # In pieces only where the loop can run in order (`_in_order`, which then also gives
+    # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
+    # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms against
+    # 3.2 per gradient, `benchmarks/recursion.py`).
+    pieces = _TABLE_PIECES if per_leaf else 1
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
     def cond(cond_consts, c, bufs):
@@ -714,8 +748,9 @@ def _differentiable_run(
         )
         # Host slots stay on the device under an outer jvp (`_pool.under_forward_mode`).
         place = not under_forward_mode(jax.tree_util.tree_leaves((consts, init, bufs)))
-        hidden = _recursion.allocate(body.carry_avals, num_slots, host=host, place=place)
-        sp, ss = jnp.asarray(store_pos), jnp.asarray(store_slot)
+        hidden = _recursion.allocate(
+            body.carry_avals, num_slots, host=host, place=place, per_leaf=per_leaf
+        )
 
         # One schedule for the whole batch under vmap, as Equinox's loop does: the loop
         # runs while any member runs (`_any_member` is unbatched), its step counter p and
@@ -727,10 +762,14 @@ def _differentiable_run(
         # batch the loop instead gave each member its own recursion: the batch paid, at
         # every backward step, the longest of the members' recomputations.)
         def body_fn(state):
-            p, ptr, c, hidden, bufs, n, active = state
-            keep = sp[ptr] == p
+            p, ptr, c, (hidden, held), bufs, n, active = state
+            keep = read_table(store_pos, ptr, pieces) == p
             if num_slots:
-                hidden = _keep(hidden, ss[ptr], c, body.carry_avals, keep, p)
+                slot = read_table(store_slot, ptr, pieces)
+                until = read_table(store_until, ptr, pieces)
+                hidden, held = _keep(
+                    hidden, held, slot, c, body.carry_avals, keep, p, until, per_leaf
+                )
             taken = _member_active(active)  # True outside vmap, with no varying axes
             c, bufs = step(consts, c, bufs, taken)
             p, n = p + 1, n + taken.astype(jnp.int32)
@@ -738,7 +777,7 @@ def _differentiable_run(
                 p,
                 ptr + keep.astype(jnp.int32),
                 c,
-                hidden,
+                (hidden, held),
                 bufs,
                 n,
                 running(cond_consts, p, c, bufs),
@@ -746,11 +785,14 @@ def _differentiable_run(
 
         zero = jnp.int32(0)
         go = running(cond_consts, zero, list(init), list(bufs))
-        state = (zero, zero, list(init), hidden, list(bufs), zero, go)
-        total, _, c, hidden, bufs, n, _ = lax.while_loop(
+        # Per physical slot, the position of the carry it holds and where the policy
+        # gives that carry up (-1: never written).
+        held = (jnp.full(num_slots, -1, jnp.int32), jnp.full(num_slots, -1, jnp.int32))
+        state = (zero, zero, list(init), (hidden, held), list(bufs), zero, go)
+        total, _, c, (hidden, held), bufs, n, _ = lax.while_loop(
             lambda s: _any_member(s[6]), body_fn, state
         )
-        stack_pos, stack_slot, depth = _stack(total, num_slots, row_pos, row_slot, row_store)
+        stack_pos, stack_slot, depth = _stack(total, *held)
         # The buffers' values are a step's inputs only where a nested loop writes them
         # (any value will do: they are write-only); else their types are enough.
         kept = [x if j in threaded else None for j, x in enumerate(bufs)]
@@ -786,14 +828,14 @@ def _differentiable_run(
         if host:
             ct_k, ct_init, aux = _host_intervals_backward(
                 b, slots, consts, init, xs, hidden, num_slots, total, stack_pos, stack_slot,
-                depth, ct_c, ct_k, aux, take_cts, give_cts,
+                depth, ct_c, ct_k, aux, take_cts, give_cts, per_leaf,
             )  # fmt: skip
         else:
             # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-            hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals)
+            hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals, per_leaf)
             ct_k, ct_init, aux = _recursion.backward(
                 b, slots, consts, init, xs, hidden, total - 1, stack_pos, depth, ct_c, ct_k,
-                aux, take_cts, give_cts,
+                aux, take_cts, give_cts, per_leaf=per_leaf,
             )  # fmt: skip
         ct_b, pending = aux
         ct_b = _clear(ct_b, pending, buf_float, write_spec)  # the first step's clears
@@ -827,6 +869,7 @@ def _host_intervals_backward(
     aux,
     take_cts: Callable,
     give_cts: Callable,
+    per_leaf: bool,
 ):
     """Back-propagates steps ``total - 1`` .. 0 over the host checkpoints (`_stack`'s
     ``stack_pos``, ``stack_slot``, ``depth``), last interval first: each from its first
@@ -841,12 +884,14 @@ def _host_intervals_backward(
         start = read_index(stack_pos, d)
         end = jnp.minimum(read_index(ends, d), total)
         slot = read_index(stack_slot, d)
-        c = _recursion.load_hidden(host, init, slot, body.carry_avals, num_host, pos=start)
-        stacks = _recursion.allocate(body.carry_avals, slots - 1)
+        c = _recursion.load_hidden(
+            host, init, slot, body.carry_avals, num_host, pos=start, per_leaf=per_leaf
+        )
+        stacks = _recursion.allocate(body.carry_avals, slots - 1, per_leaf=per_leaf)
         positions = jnp.zeros(slots, jnp.int32).at[0].set(start)
         ct_k, ct_c, aux = _recursion.backward(
             body, slots, consts, c, xs, stacks, end - 1, positions, jnp.int32(0), ct_c, ct_k,
-            aux, take_cts, give_cts, first=start,
+            aux, take_cts, give_cts, first=start, per_leaf=per_leaf,
         )  # fmt: skip
         return d - 1, ct_c, ct_k, aux
 
@@ -951,9 +996,10 @@ def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
         )
 
 
-def _keep(hidden, slot, c, avals, keep, pos) -> list:
+def _keep(hidden, held, slot, c, avals, keep, pos, until, per_leaf) -> tuple[list, tuple]:
     """The kept slots after the forward step at ``pos`` stores ``c`` in ``slot`` where
-    ``keep`` holds.
+    ``keep`` holds, and ``held`` (per slot: the position kept there, and ``until``,
+    where the policy gives it up) updated.
 
     On CPU a conditional skips the masked write of every carry leaf (a read, a select and
     an in-place update each) on the steps that store nothing, most of them: Diffrax's
@@ -962,30 +1008,51 @@ def _keep(hidden, slot, c, avals, keep, pos) -> list:
     saveat``, 2 CPU cores). Off the CPU the write stays masked: XLA:GPU reads a
     conditional's predicate back to the host at every step.
     """
+    held_pos, held_until = held
     if jax.default_backend() == "cpu":
-        write = lambda h: _recursion.write(h, slot, c, avals, pos=pos)  # noqa: E731
-        return lax.cond(keep, write, list, list(hidden))
-    return _recursion.write(hidden, slot, c, avals, keep, pos=pos)
+
+        def write(hidden, held_pos, held_until):
+            hidden = _recursion.write(hidden, slot, c, avals, pos=pos, per_leaf=per_leaf)
+            return hidden, (held_pos.at[slot].set(pos), held_until.at[slot].set(until))
+
+        return lax.cond(keep, write, lambda *a: (a[0], a[1:]), list(hidden), *held)
+    hidden = _recursion.write(hidden, slot, c, avals, keep, pos=pos, per_leaf=per_leaf)
+    held_pos = held_pos.at[slot].set(jnp.where(keep, pos, held_pos[slot]))
+    held_until = held_until.at[slot].set(jnp.where(keep, until, held_until[slot]))
+    return hidden, (held_pos, held_until)
 
 
-def _stack(n, num_slots, row_pos, row_slot, row_store):
+def _given_up(events) -> np.ndarray:
+    """Per store row of ``events``: the position at which the policy gives up the carry
+    it keeps (the row that frees its slot; int32's maximum for one kept to the end).
+
+    A slot is only stored into once freed, so the next row on a stored slot frees it.
+    """
+    until = np.full(len(events.pos), np.iinfo(np.int32).max, np.int64)
+    last: dict[int, int] = {}  # slot -> its last store row
+    for r, (p, s, store) in enumerate(
+        zip(events.pos.tolist(), events.slot.tolist(), events.store.tolist())
+    ):
+        if store:
+            last[s] = r
+        else:
+            until[last.pop(s)] = p
+    return until[events.store]
+
+
+def _stack(n, held_pos, held_until):
     """The kept carries when the loop stopped after n steps, as a stack in position order.
 
     Returns ``(pos, slot, depth)``: ``pos[d]``, ``slot[d]`` for ``d <= depth`` (int32
     arrays of length ``num_slots + 1``), ``pos[0] = 0`` and ``slot[0] = -1`` (``h_0``).
-    A physical slot holds a carry if its last event before position n is a store.
+    A physical slot holds a carry if the policy has not given it up before position n
+    (``held_until``, -1 for a slot never written). Only arrays of the slots' length:
+    the event table, read here, made the whole program a dataflow graph on XLA:CPU
+    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`).
     """
-    size = num_slots + 1
-    if num_slots == 0 or len(row_pos) == 0:
-        return jnp.zeros(size, jnp.int32), jnp.full(size, -1, jnp.int32), jnp.int32(0)
-    pos, slot = jnp.asarray(row_pos), jnp.asarray(row_slot)
-    time = jnp.arange(len(row_pos), dtype=jnp.int32)
-    # A slot holds a carry if its last event before position n is a store. (One
-    # segment_max: XLA materialises its input, an array as long as the event table.)
-    last = jax.ops.segment_max(jnp.where(pos < n, time, -1), slot, num_segments=num_slots)
-    held = (last >= 0) & jnp.asarray(row_store)[jnp.maximum(last, 0)]
+    held = held_until >= n
     big = jnp.iinfo(jnp.int32).max
-    where = jnp.where(held, pos[jnp.maximum(last, 0)], big)
+    where = jnp.where(held, held_pos, big)
     order = jnp.argsort(where).astype(jnp.int32)
     stack_pos = jnp.concatenate([jnp.zeros(1, jnp.int32), where[order]])
     stack_slot = jnp.concatenate([jnp.full(1, -1, jnp.int32), order])
