@@ -154,7 +154,9 @@ def test_byte_budget_and_closure_over_pytree():
 def test_device_split_equals_closed_form(table):
     f = jax.jit(hsm_splitter(128) if table else hsm_split_on_device)
     big = [65535 * 65536 // 2, 65535 * 65536 // 2 + 1, 2**31 - 2]  # row 2's saturation
-    for m in [2, 3, 4, 5, 8, 17, 30, 128]:
+    # The stepped binomials (no table) claim m up to 10^8: r * m < w * m must not wrap.
+    wide = [] if table else [1000, 65_536, 10**6, 10**7, 10**8 - 1]
+    for m in [2, 3, 4, 5, 8, 17, 30, 128, *wide]:
         for t in [2, 3, 4, 5, 9, 10, 44, 45, 46, 100, 1000, 4567, 99_999, 1_000_000, *big]:
             assert int(f(jnp.int32(t), jnp.int32(m))) == hsm_split(t, m), (t, m)
 
