@@ -12,7 +12,8 @@ Two questions behind `memento.loops._scan.recursion_min_steps()` and the budget 
 - ``while_loop``: a 1000-step RK4 integration of a 4-to-W-to-4 tanh MLP (W = 8, 256),
   its gradient's steady time for budgets of 4 to 128 slots.
 
-Run:  PYTHONPATH=src python benchmarks/recursion.py [--out PATH]
+Run:  PYTHONPATH=src python benchmarks/recursion.py [--out PATH] [--no-scan | --no-while]
+      (the while_loop sweep alone: ``--no-scan --out benchmarks/results/recursion_while.json``)
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "recursion.json"))
     parser.add_argument("--cases", default=CASES, help="scan cases, body:steps:memory,...")
     parser.add_argument("--no-while", action="store_true", help="skip the while_loop sweep")
+    parser.add_argument("--no-scan", action="store_true", help="skip the scan cases")
     args = parser.parse_args(argv)
     scan, loop = [], []
-    scan_rows(scan, args.cases)
+    if not args.no_scan:
+        scan_rows(scan, args.cases)
     if not args.no_while:
         while_budgets(loop)
     data = {"machine": _common.machine(), "git": _common.git_state(), "scan": scan,

@@ -210,10 +210,11 @@ def while_loop(
         whatever the budget: the backward (`memento.loops._recursion`) keeps slot d - 1
         for stack depth d and computes splits in closed form. More slots can be slower
         where a tiny carry's slots then pass 512 bytes a leaf: XLA:CPU then runs the
-        loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP, 1000 steps
-        (2 shared CPU cores, `python benchmarks/recursion.py`): 4/8/16/32/64/128 slots
-        take 3.9/2.7/2.1/2.0/3.1/3.1 ms (4 floats at 63 slots: 1008 bytes); of a
-        256-wide MLP, 38/24/18/16/14/14 ms. (The loop it
+        loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP,
+        1000 steps (2 shared CPU cores, `python benchmarks/recursion.py --no-scan`,
+        results/recursion_while.json): 4/8/16/32/64/128 slots take
+        4.1/2.7/2.2/2.0/3.0/3.0 ms (4 floats at 63 slots: 1008 bytes); of a 256-wide
+        MLP, 40/24/19/16/14/14 ms. (The loop it
         replaced kept a free list and found each split with nested loops; a backward
         iteration then exceeded the 1 KiB of memory traffic under which XLA:CPU
         compiles a loop as one kernel, and a tiny body paid ~1.4 us per step once its
