@@ -12,7 +12,8 @@ Walther's binomial recursion (the paper's HSM, eq. (1)-(3)) unrolled one push at
 with the split computed on the device from its closed form (`memento.planning.hsm_split`,
 here from a table of binomials, `hsm_splitter`, or, in a loop that XLA:CPU can run in
 order, from binomials stepped up a level at a time, `hsm_split_on_device`). No schedule
-rows are materialised: the state is O(slots), the table O(sqrt(steps)).
+rows are materialised: the state is O(slots), and the table's size depends on the
+budget only (`_binomials`).
 
 `memento.while_loop` fills the stack online in its forward pass (n is unknown until the
 predicate fails); `memento.scan` with the HSM policy fills it with the recursion's own
@@ -388,7 +389,8 @@ def backward(
     never = jnp.int32(np.iinfo(np.int32).max)
     # Where the loop can run in order (``per_leaf``), splits with no table; else from the
     # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
-    # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6).
+    # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6, in
+    # a one-off run of that variant, not committed).
     split = hsm_split_on_device if per_leaf else hsm_splitter(slots)
 
     def next_push(e, p, depth):

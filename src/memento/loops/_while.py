@@ -414,10 +414,10 @@ def _in_order(num_slots: int, carry_avals, arrays) -> bool:
     bytes for its five int64 counters, made it a dataflow graph over the thread pool).
     Where a larger array makes it such a graph anyway, a pool per dtype keeps the writes
     of a slot in one chain, which that executor runs faster than as many independent
-    writes (SaveAt(ts=100), whose output is 1600 bytes: 0.67 against 0.73 of the time of
-    Diffrax's RecursiveCheckpointAdjoint). Sizes are a batch member's under vmap, as
-    the budget's (the benchmark's batch of 8 solves, per leaf now, runs as fast as it
-    did with pools per dtype)."""
+    writes (SaveAt(ts=100), whose output is 1600 bytes, in one-off runs of both layouts:
+    0.67 against 0.73 of the time of Diffrax's RecursiveCheckpointAdjoint). Sizes are a
+    batch member's under vmap, as the budget's (the benchmark's batch of 8 solves, per
+    leaf now, runs as fast as it did with pools per dtype)."""
     leaf = max((nbytes([a]) for a in carry_avals), default=0)
     biggest = max((nbytes([jax.typeof(x)]) for x in arrays), default=0)
     return max(num_slots, 1) * leaf <= SMALL_ARRAY_BYTES and biggest <= SMALL_ARRAY_BYTES
@@ -708,8 +708,8 @@ def _differentiable_run(
     store_until = np.append(_given_up(events), big).astype(np.int32)
     # In pieces only where the loop can run in order (`_in_order`, which then also gives
     # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
-    # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms against
-    # 3.2 per gradient, `benchmarks/recursion.py`).
+    # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms per
+    # gradient, results/recursion_while.json, against 3.2 in pieces, a one-off run).
     pieces = _TABLE_PIECES if per_leaf else 1
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
@@ -1005,8 +1005,8 @@ def _keep(hidden, held, slot, c, avals, keep, pos, until, per_leaf) -> tuple[lis
     On CPU a conditional skips the masked write of every carry leaf (a read, a select and
     an in-place update each) on the steps that store nothing, most of them: Diffrax's
     adaptive solve with ``SaveAt(ts=2)`` went from 1.49x to 1.33x the time of its
-    ``RecursiveCheckpointAdjoint`` (``python benchmarks/diffrax_adjoints.py --part
-    saveat``, 2 CPU cores). Off the CPU the write stays masked: XLA:GPU reads a
+    ``RecursiveCheckpointAdjoint`` when this was made (``python
+    benchmarks/diffrax_adjoints.py --part saveat``, 2 CPU cores). Off the CPU the write stays masked: XLA:GPU reads a
     conditional's predicate back to the host at every step.
     """
     held_pos, held_until = held
