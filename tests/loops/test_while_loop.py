@@ -710,7 +710,10 @@ def test_conditional_writes_match_unrolled(memory):
     for n in (0, 1, 2, 9, 23):
         (v, out), g = ours(w, h0, buf0, n)
         (v_r, out_r), g_r = ref(w, h0, buf0, n)
-        np.testing.assert_array_equal(out, out_r)
+        # Written rows equal, unwritten ones still inf; XLA:GPU fuses the two programs
+        # differently (1 ulp apart on an H200), so equal to rounding, not bit for bit.
+        np.testing.assert_array_equal(np.isinf(out), np.isinf(out_r))
+        np.testing.assert_allclose(out, out_r, rtol=1e-14, atol=0)
         assert_close(v, v_r)
         for a, r in zip(g, g_r):
             assert_close(a, r)

@@ -35,17 +35,35 @@ def test_predicted_work_charges_internal_states():
     assert predicted_work(plan(10, 4, policy="hsm")) == plan(10, 4, policy="hsm").cost
 
 
-def test_predicted_work_charges_the_rows_per_step_but_for_hsm():
+def test_predicted_work_charges_the_rows_per_step_or_recomputation_but_for_hsm():
     c = Charges(internal=0.5, rows_step=1.25)
     ism, msm, hsm = (
-        plan(10, 10, policy="ism"),
+        plan(10, 1, policy="ism"),
         plan(40, 9, policy="msm", alpha=3),
         plan(40, 4, policy="hsm"),
     )
+    assert ism.cost >= 20 and msm.cost >= 80  # at least one recomputation a step
     assert predicted_work(ism, c) == ism.cost + 10 * 0.5 + 10 * 1.25
     saves = int((msm.actions[:, 0] == memento.Op.SAVE_INTERNAL).sum())
     assert predicted_work(msm, c) == msm.cost + saves * 0.5 + 40 * 1.25
     assert predicted_work(hsm, c) == hsm.cost  # HSM runs as the recursion: no rows
+    # Fewer recomputations than steps: charged per recomputation; none: nothing.
+    some, none = plan(10, 7, policy="ism"), plan(10, 10, policy="ism")
+    assert 10 < some.cost < 20 and none.cost == 10
+    assert predicted_work(some, c) == some.cost + 10 * 0.5 + (some.cost - 10) * 1.25
+    assert predicted_work(none, c) == 10 + 10 * 0.5
+
+
+@pytest.mark.parametrize("t,alpha", [(1, 1), (50, 1), (50, 4), (1000, 8)])
+def test_a_budget_for_every_step_stores_every_step_whatever_the_rows_cost(t, alpha):
+    # The rows' charge is for recomputing; a plan that stores every internal state runs
+    # no primal rows (the H200 session of 2026-11-27 planned HSM here, twice the work).
+    def exact(policy, a):
+        return plan(t, t * alpha, policy=policy, alpha=a)  # pyright: ignore[reportArgumentType]
+
+    for rows_step in (0.0, 1.25, 100.0):
+        got = auto_policy(t, t * alpha, alpha, exact, Charges(rows_step=rows_step))
+        assert exact(got, None if got == "hsm" else alpha).cost == t, (rows_step, got)
 
 
 @pytest.mark.parametrize("t,m,alpha", [(1000, 250, 8), (200, 20, 3), (50, 12, 2), (30, 31, 1)])
@@ -62,7 +80,8 @@ def test_a_rows_charge_moves_auto_to_hsm_only_as_far_as_it_outweighs(t, m, alpha
         if m >= alpha:
             works["ism"] = predicted_work(exact("ism", alpha), c)
         assert works[got] == min(works.values()), (rows_step, got, works)
-    assert auto_policy(t, m, alpha, exact, Charges(rows_step=t)) == "hsm"
+    if m < t * alpha:  # else ISM stores every step: no rows to charge (test below)
+        assert auto_policy(t, m, alpha, exact, Charges(rows_step=t)) == "hsm"
 
 
 def test_charges_are_checked():

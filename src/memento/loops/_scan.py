@@ -382,7 +382,10 @@ def recursion_min_steps(backend: str | None = None) -> int:
 # the extra is the executor's (a schedule row read and a branch per loop iteration), not
 # the body's, so a body cheaper than the LSTM's pays more than this in evaluations and
 # one dearer less. On CPU the two executors are within -35% to +12% of each other per
-# gradient (above): no charge. TPUs are not measured: no charge.
+# gradient (above): no charge. TPUs are not measured: no charge. Two later H200 runs
+# (benchmarks/results/gpu/2026-11-27b/) give 0.30 and 0.21 by the same arithmetic (its
+# marginal evaluation is within their noise), but the picks under 1.25 were the fastest
+# for that LSTM in all three, and for the 4x4 cell only with CUDA graphs on.
 _ROWS_STEP_CHARGE = {"gpu": 1.25}
 
 
