@@ -14,8 +14,12 @@ Since auto charges the rows per step on a GPU (``memento.planning.Charges``, mea
 from this script's first LSTM run), it should plan HSM, on the recursion, in every case
 here; the forced rows show what that avoids.
 
+``--command-buffers``: each case also jitted with XLA:GPU's CUDA graphs on, per function
+(``jax.jit(..., compiler_options=COMMAND_BUFFERS)``, the README's ``XLA_FLAGS`` without
+the environment), timed in the same round-robin.
+
 Run:  PYTHONPATH=src python benchmarks/gpu_policy.py OUT.json [--problem lstm|cell]
-      [--repeats 5] [--small]
+      [--repeats 5] [--small] [--command-buffers]
       (--small: tiny sizes, to check that it runs on a CPU)
 """
 
@@ -36,6 +40,13 @@ CASES = {
     "cell": [(100, "auto", "auto"), (100, "hsm", "auto"), (100, "hsm", "rows"),
              (100, "msm", "rows")],
 }  # fmt: skip
+
+# XLA:GPU's command buffers (CUDA graphs) for loops and conditionals too, as compiler
+# options of one jitted function.
+COMMAND_BUFFERS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
+    "xla_gpu_graph_min_graph_size": 1,
+}
 
 
 def _problem(name: str, small: bool):
@@ -76,7 +87,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--problem", choices=sorted(CASES), default="lstm")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--command-buffers", action="store_true")
     args = ap.parse_args(argv)
+    variants = [None, COMMAND_BUFFERS] if args.command_buffers else [None]
     step_of, p, xs, init, T = _problem(args.problem, args.small)
     rows, calls = [], {}
     for slots, policy, executor in CASES[args.problem]:
@@ -94,16 +107,18 @@ def main(argv: list[str]) -> int:
         s = memento.loops.scan_schedule(
             step, init, xs, memory=slots, policy=policy, executor=executor
         )
-        g = jax.jit(jax.grad(loss))
-        t0 = time.perf_counter()
-        jax.block_until_ready(g(p, xs, init))
-        first = time.perf_counter() - t0
-        name = f"{slots}/{policy}/{executor}"
-        calls[name] = lambda g=g: jax.block_until_ready(g(p, xs, init))
-        rows.append(dict(problem=args.problem, T=T, slots=slots, policy=policy,
-                         executor=executor, planned=s.policy, alpha=s.alpha,
-                         cost_per_step=s.cost / T, first_s=first,
-                         backend=jax.default_backend()))  # fmt: skip
+        for options in variants:
+            g = jax.jit(jax.grad(loss), compiler_options=options)
+            t0 = time.perf_counter()
+            jax.block_until_ready(g(p, xs, init))
+            first = time.perf_counter() - t0
+            name = f"{slots}/{policy}/{executor}" + ("/command-buffers" if options else "")
+            calls[name] = lambda g=g: jax.block_until_ready(g(p, xs, init))
+            rows.append(dict(problem=args.problem, T=T, slots=slots, policy=policy,
+                             executor=executor, planned=s.policy, alpha=s.alpha,
+                             cost_per_step=s.cost / T, first_s=first,
+                             command_buffers=options is not None,
+                             backend=jax.default_backend()))  # fmt: skip
     # Steady times round-robin (one run of each case, again): load drifts hit all alike.
     times = _common.time_round_robin(calls, repeats=args.repeats)
     for row, name in zip(rows, calls):

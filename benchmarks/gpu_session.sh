@@ -12,7 +12,8 @@
 #       benchmarks/device_budget.py (two-level vs one-level temp bytes per executor)  30 s
 #   (c) tests/pytorch/test_torch_device.py (memento.torch on CUDA)                    20 s
 #       benchmarks/torch_rnn.py, torch_chain.py --device cuda                    40 + 30 s
-#   (d) benchmarks/gpu_policy.py: auto against forced plans, LSTM and 4x4 cell  60 + 60 s
+#   (d) benchmarks/gpu_policy.py: auto against forced plans, LSTM and 4x4 cell,
+#       each also with CUDA graphs on per function                              60 + 60 s
 #   (e) benchmarks/small_loops.py at 10^4 steps (per-gradient ratios to the model)     50 s
 #
 # Writes, flat in $OUT: session.log (everything printed), offload.json, device_budget.json
@@ -123,7 +124,7 @@ collect
 if [ "$QUICK" = 1 ]; then
     POLICY=(--small --repeats 1)
 else
-    POLICY=(--repeats 5)
+    POLICY=(--repeats 3 --command-buffers)
 fi
 part gpu_policy_lstm 60 "$PY" benchmarks/gpu_policy.py "$RES/lstm_policy.json" \
     --problem lstm "${POLICY[@]}"
