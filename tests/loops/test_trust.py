@@ -370,13 +370,13 @@ def test_checks_catch_a_broken_recursion(monkeypatch):
     from memento.loops import _recursion
 
     monkeypatch.setenv("MEMENTO_CHECKS", "1")
-    real = _recursion.load_hidden
+    real = _recursion.CarrySlots.load
     # Every load from a slot asks for the slot below: the carry is at the wrong position.
     monkeypatch.setattr(
-        _recursion,
-        "load_hidden",
-        lambda stacks, init, slot, *a, **k: real(
-            stacks, init, jnp.maximum(slot - 1, jnp.minimum(slot, 0)), *a, **k
+        _recursion.CarrySlots,
+        "load",
+        lambda self, stacks, init, slot, *a, **k: real(
+            self, stacks, init, jnp.maximum(slot - 1, jnp.minimum(slot, 0)), *a, **k
         ),
     )
     with pytest.raises(Exception, match="executor invariant broken"):

@@ -23,6 +23,7 @@ backward passes together make exactly the optimal ``hsm_cost(t, m)`` evaluations
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -241,85 +242,73 @@ def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
 # Slots: one stack per carry leaf, with a leading slot axis
 
 
-def _hidden_pools(
-    avals, num_slots: int, *, host: bool = False, per_leaf: bool = False
-) -> _pool.Pools:
-    """The pools of ``num_slots`` carries: `memento.loops._pool`'s one slot layout, with
-    hidden states only (so slot j of a pool holds its leaves at ``j * h_g ...``; with
-    ``per_leaf``, a pool per leaf), tagged with their positions in debug mode
-    (`_pool.checks_enabled`)."""
-    return _pool.Pools.of(
-        tuple(avals),
-        (),
-        np.array([[num_slots, 0]]),
-        tagged=_pool.checks_enabled(),
-        host=host,
-        per_leaf=per_leaf,
-    )
+@dataclasses.dataclass(frozen=True)
+class CarrySlots:
+    """How the recursion's slots hold carries of ``avals``: `memento.loops._pool`'s one
+    slot layout with hidden states only (slot j of a pool holds its leaves at
+    ``j * h_g ...``), a pool per dtype, or with ``per_leaf`` a pool per carry leaf
+    (`_pool.Pools.of`); tagged with their positions in debug mode
+    (`_pool.checks_enabled`). One value for the allocation and every write, read and
+    reordering of the same slots, so that they cannot disagree on the layout."""
 
+    avals: tuple
+    per_leaf: bool = False
 
-def allocate(
-    avals, num_slots: int, *, host: bool = False, place: bool = True, per_leaf: bool = False
-) -> list:
-    """Zeroed pools for ``num_slots`` carries (`_pool.Pools`); ``host``: in host memory
-    where there is one and ``place`` (`_pool.Pools.allocate`). `write` and `load_hidden`
-    copy to and from pools that lie on the host."""
-    return _hidden_pools(avals, num_slots, host=host, per_leaf=per_leaf).allocate(place=place)
+    def pools(self, num_slots: int, *, host: bool = False) -> _pool.Pools:
+        return _pool.Pools.of(
+            self.avals,
+            (),
+            np.array([[num_slots, 0]]),
+            tagged=_pool.checks_enabled(),
+            host=host,
+            per_leaf=self.per_leaf,
+        )
 
+    def allocate(self, num_slots: int, *, host: bool = False, place: bool = True) -> list:
+        """Zeroed pools for ``num_slots`` carries (`_pool.Pools`); ``host``: in host memory
+        where there is one and ``place`` (`_pool.Pools.allocate`). `write` and `load`
+        copy to and from pools that lie on the host."""
+        return self.pools(num_slots, host=host).allocate(place=place)
 
-def write(
-    stacks, index, values, avals, when=None, *, pos: int | jax.Array = 0, per_leaf: bool = False
-) -> list:
-    """Stores the carry ``values``, ``h_pos``, in slot ``index`` (only where ``when``, a
-    scalar bool, holds)."""
-    pools = _hidden_pools(avals, 0, per_leaf=per_leaf)
-    if pools.tagged:
-        values = [*values, jnp.asarray(2 * pos, jnp.int32)]
-    return pools.write(stacks, index, 0, values, "h", when)
+    def write(self, stacks, index, values, when=None, *, pos: int | jax.Array = 0) -> list:
+        """Stores the carry ``values``, ``h_pos``, in slot ``index`` (only where ``when``, a
+        scalar bool, holds)."""
+        pools = self.pools(0)
+        if pools.tagged:
+            values = [*values, jnp.asarray(2 * pos, jnp.int32)]
+        return pools.write(stacks, index, 0, values, "h", when)
 
+    def load(self, stacks, init, slot, num_slots: int, *, pos: int | jax.Array = 0) -> list:
+        """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``); in
+        debug mode checked to be ``h_pos``.
 
-def load_hidden(
-    stacks,
-    init,
-    slot,
-    avals,
-    num_slots: int,
-    *,
-    pos: int | jax.Array = 0,
-    per_leaf: bool = False,
-) -> list:
-    """``h`` held in slot ``slot``, or ``init`` for slot -1 (the caller's ``h_0``); in
-    debug mode checked to be ``h_pos``.
+        Reads the pools outside any conditional (see `backward`): a select picks (on the
+        stored form: keys as key data).
+        """
+        if num_slots == 0:  # no slots: h_0 is the only carry kept
+            return list(init)
+        pools = self.pools(num_slots)
+        stored = pools.read(stacks, slot, 0, "h", stored=True)
+        if pools.tagged:
+            ok = (stored[-1] == 2 * pos) & (slot < num_slots)
+            _pool.check((slot < 0) | ok, "a carry loaded by the recursion is not h_pos")
+            stored = stored[:-1]
+        return [
+            _pool.from_storage(_pool.pick(slot < 0, _pool.to_storage(a, v), b), v)
+            for a, b, v in zip(init, stored, self.avals)
+        ]
 
-    Reads the pools outside any conditional (see `backward`): a select picks (on the
-    stored form: keys as key data).
-    """
-    if num_slots == 0:  # no slots: h_0 is the only carry kept
-        return list(init)
-    pools = _hidden_pools(avals, num_slots, per_leaf=per_leaf)
-    stored = pools.read(stacks, slot, 0, "h", stored=True)
-    if pools.tagged:
-        ok = (stored[-1] == 2 * pos) & (slot < num_slots)
-        _pool.check((slot < 0) | ok, "a carry loaded by the recursion is not h_pos")
-        stored = stored[:-1]
-    return [
-        _pool.from_storage(_pool.pick(slot < 0, _pool.to_storage(a, v), b), v)
-        for a, b, v in zip(init, stored, avals)
-    ]
+    def reorder(self, stacks, order) -> list:
+        """The pools with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
+        out = []
+        for b, h in zip(stacks, self.pools(0).hidden_size):
+            entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)).reshape(-1)
+            out.append(jnp.take(b, entries, axis=0, mode="clip"))
+        return out
 
 
 # ----------------------------------------------------------------------------------------
 # The backward pass
-
-
-def reorder(stacks, order, avals, per_leaf: bool = False) -> list:
-    """The pools with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
-    pools = _hidden_pools(avals, 0, per_leaf=per_leaf)
-    out = []
-    for b, h in zip(stacks, pools.hidden_size):
-        entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)).reshape(-1)
-        out.append(jnp.take(b, entries, axis=0, mode="clip"))
-    return out
 
 
 def backward(
@@ -339,7 +328,7 @@ def backward(
     give_cts: Callable,
     unroll: int = 1,
     first: int | jax.Array = 0,
-    per_leaf: bool = False,
+    carry_slots: CarrySlots | None = None,
 ):
     """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the kept
     stack.
@@ -362,8 +351,8 @@ def backward(
         first: the last step to back-propagate (a traced or static int): ``h_first`` is
             ``init``. `memento.while_loop` with a host level runs the recursion once per
             interval between host checkpoints, from the interval's first carry.
-        per_leaf: the slots' layout, a pool per carry leaf (`_pool.Pools.of`), as the
-            caller allocated and wrote them.
+        carry_slots: the slots' layout, as the caller allocated and wrote them (default:
+            a pool per dtype, `CarrySlots`).
 
     Returns:
         ``(ct_k, ct_init, aux)``.
@@ -380,18 +369,19 @@ def backward(
     reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
     4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
     them in order in the calling thread only while no array it touches exceeds 512 bytes
-    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``per_leaf`` the slots of
-    each carry leaf are a pool of their own and the splits read no table. (With a pool
+    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``carry_slots.per_leaf``
+    the slots of each carry leaf are a pool of their own and the splits read no table. (With a pool
     per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2) ran
     its backward as a dataflow graph, at 1.3x the time of its
     ``RecursiveCheckpointAdjoint``'s.)
     """
     never = jnp.int32(np.iinfo(np.int32).max)
+    layout = carry_slots or CarrySlots(tuple(body.carry_avals))
     # Where the loop can run in order (``per_leaf``), splits with no table; else from the
     # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
     # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6, in
     # a one-off run of that variant, not committed).
-    split = hsm_split_on_device if per_leaf else hsm_splitter(slots)
+    split = hsm_split_on_device if layout.per_leaf else hsm_splitter(slots)
 
     def next_push(e, p, depth):
         # Where the recursion pushes next from h_p with the stack at ``depth``: only while
@@ -408,9 +398,7 @@ def backward(
         # Pop the carry whose step was the last back-propagated.
         depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
         b = _get(stack_pos, depth)
-        c = load_hidden(
-            stacks, init, depth - 1, body.carry_avals, slots - 1, pos=b, per_leaf=per_leaf
-        )
+        c = layout.load(stacks, init, depth - 1, slots - 1, pos=b)
         if slots > 1:
             # Advance from push to push, writing each, then on to h_e: one loop.
             def segment(state):
@@ -420,7 +408,7 @@ def backward(
                 c = advance_steps(body, consts, c, xs, p, to - p, unroll)
                 push = q < e
                 # At depth + 1.
-                stacks = write(stacks, depth, c, body.carry_avals, push, pos=to, per_leaf=per_leaf)
+                stacks = layout.write(stacks, depth, c, push, pos=to)
                 above = _pick(push, q, _get(stack_pos, depth + 1))
                 stack_pos = _put(stack_pos, depth + 1, above)
                 return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
@@ -455,7 +443,8 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
     """
     t = num_steps
     pushes = first_pushes(t, slots)
-    stacks = allocate(body.carry_avals, slots - 1)
+    layout = CarrySlots(tuple(body.carry_avals))
+    stacks = layout.allocate(slots - 1)
     # A sentinel past every position keeps the pointer in bounds without a test.
     at = jnp.asarray(np.array([*pushes, np.iinfo(np.int32).max], np.int32))
 
@@ -463,7 +452,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
         p, c, stacks, ptr = state
         keep = _get(at, ptr) == p
         if slots > 1:
-            stacks = write(stacks, ptr, c, body.carry_avals, keep, pos=p)
+            stacks = layout.write(stacks, ptr, c, keep, pos=p)
         c, y = body(consts, c, x_at(xs, p))
         return (p + 1, c, stacks, ptr + keep.astype(jnp.int32)), y
 
@@ -471,7 +460,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
     state = (jnp.int32(0), list(init), stacks, jnp.int32(0))
     (_, c, stacks, _), ys = lax.scan(step, state, None, length=t - 1, unroll=unroll)
     if pushes and pushes[-1] == t - 1:
-        stacks = write(stacks, len(pushes) - 1, c, body.carry_avals, pos=t - 1)
+        stacks = layout.write(stacks, len(pushes) - 1, c, pos=t - 1)
     c, y_last, working = body.save(spec, consts, c, [x[t - 1] for x in xs])
     ys = [jnp.concatenate([a, b[None]]) for a, b in zip(ys, y_last)]
     return c, ys, stacks, working

@@ -381,8 +381,13 @@ def while_loop(
         is_loop_buffer,
         write_spec,
         host=bool(host),
-        per_leaf=_in_order(
-            max(slots, int(host)), body.carry_avals, [*body.consts, *loop_cond_consts, *buffers0]
+        carry_slots=_recursion.CarrySlots(
+            tuple(body.carry_avals),
+            per_leaf=_in_order(
+                max(slots, int(host)),
+                body.carry_avals,
+                [*body.consts, *loop_cond_consts, *buffers0],
+            ),
         ),
     )
     carry, bufs = call_reverse_mode_only(
@@ -689,7 +694,7 @@ def _differentiable_run(
     is_buffer,
     write_spec,
     host: bool = False,
-    per_leaf: bool = False,
+    carry_slots: _recursion.CarrySlots | None = None,
 ):
     """The loop as a ``custom_vjp`` function of (consts, cond_consts, init, buffers), flat
     leaves; it returns ``(carry, buffers)``.
@@ -697,8 +702,10 @@ def _differentiable_run(
     The forward keeps carries where ``events`` say: in device slots, or with ``host`` in
     host slots. The backward back-propagates by the recursion in ``slots`` device slots
     (``h_0`` included): over the kept stack, or with ``host`` over each host interval.
-    ``per_leaf``: the slots' layout (`_in_order`).
+    ``carry_slots``: the slots' layout (`_in_order` picks ``per_leaf``; default a pool
+    per dtype).
     """
+    carry_slots = carry_slots or _recursion.CarrySlots(tuple(body.carry_avals))
     num_slots = events.memory - 1  # physical slots of the kept level; h_0 is the caller's
     store_pos, store_slot = events.store_rows
     # A sentinel row past every position keeps the pointer in bounds without a test.
@@ -710,7 +717,7 @@ def _differentiable_run(
     # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
     # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms per
     # gradient, results/recursion_while.json, against 3.2 in pieces, a one-off run).
-    pieces = _TABLE_PIECES if per_leaf else 1
+    pieces = _TABLE_PIECES if carry_slots.per_leaf else 1
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
     def cond(cond_consts, c, bufs):
@@ -749,9 +756,7 @@ def _differentiable_run(
         )
         # Host slots stay on the device under an outer jvp (`_pool.under_forward_mode`).
         place = not under_forward_mode(jax.tree_util.tree_leaves((consts, init, bufs)))
-        hidden = _recursion.allocate(
-            body.carry_avals, num_slots, host=host, place=place, per_leaf=per_leaf
-        )
+        hidden = carry_slots.allocate(num_slots, host=host, place=place)
 
         # One schedule for the whole batch under vmap, as Equinox's loop does: the loop
         # runs while any member runs (`_any_member` is unbatched), its step counter p and
@@ -768,9 +773,7 @@ def _differentiable_run(
             if num_slots:
                 slot = read_table(store_slot, ptr, pieces)
                 until = read_table(store_until, ptr, pieces)
-                hidden, held = _keep(
-                    hidden, held, slot, c, body.carry_avals, keep, p, until, per_leaf
-                )
+                hidden, held = _keep(hidden, held, slot, c, carry_slots, keep, p, until)
             taken = _member_active(active)  # True outside vmap, with no varying axes
             c, bufs = step(consts, c, bufs, taken)
             p, n = p + 1, n + taken.astype(jnp.int32)
@@ -829,14 +832,14 @@ def _differentiable_run(
         if host:
             ct_k, ct_init, aux = _host_intervals_backward(
                 b, slots, consts, init, xs, hidden, num_slots, total, stack_pos, stack_slot,
-                depth, ct_c, ct_k, aux, take_cts, give_cts, per_leaf,
+                depth, ct_c, ct_k, aux, take_cts, give_cts, carry_slots,
             )  # fmt: skip
         else:
             # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-            hidden = _recursion.reorder(hidden, stack_slot[1:], b.carry_avals, per_leaf)
+            hidden = carry_slots.reorder(hidden, stack_slot[1:])
             ct_k, ct_init, aux = _recursion.backward(
                 b, slots, consts, init, xs, hidden, total - 1, stack_pos, depth, ct_c, ct_k,
-                aux, take_cts, give_cts, per_leaf=per_leaf,
+                aux, take_cts, give_cts, carry_slots=carry_slots,
             )  # fmt: skip
         ct_b, pending = aux
         ct_b = _clear(ct_b, pending, buf_float, write_spec)  # the first step's clears
@@ -870,7 +873,7 @@ def _host_intervals_backward(
     aux,
     take_cts: Callable,
     give_cts: Callable,
-    per_leaf: bool,
+    carry_slots: _recursion.CarrySlots,
 ):
     """Back-propagates steps ``total - 1`` .. 0 over the host checkpoints (`_stack`'s
     ``stack_pos``, ``stack_slot``, ``depth``), last interval first: each from its first
@@ -885,14 +888,12 @@ def _host_intervals_backward(
         start = read_index(stack_pos, d)
         end = jnp.minimum(read_index(ends, d), total)
         slot = read_index(stack_slot, d)
-        c = _recursion.load_hidden(
-            host, init, slot, body.carry_avals, num_host, pos=start, per_leaf=per_leaf
-        )
-        stacks = _recursion.allocate(body.carry_avals, slots - 1, per_leaf=per_leaf)
+        c = carry_slots.load(host, init, slot, num_host, pos=start)
+        stacks = carry_slots.allocate(slots - 1)
         positions = jnp.zeros(slots, jnp.int32).at[0].set(start)
         ct_k, ct_c, aux = _recursion.backward(
             body, slots, consts, c, xs, stacks, end - 1, positions, jnp.int32(0), ct_c, ct_k,
-            aux, take_cts, give_cts, first=start, per_leaf=per_leaf,
+            aux, take_cts, give_cts, first=start, carry_slots=carry_slots,
         )  # fmt: skip
         return d - 1, ct_c, ct_k, aux
 
@@ -997,7 +998,7 @@ def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
         )
 
 
-def _keep(hidden, held, slot, c, avals, keep, pos, until, per_leaf) -> tuple[list, tuple]:
+def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, tuple]:
     """The kept slots after the forward step at ``pos`` stores ``c`` in ``slot`` where
     ``keep`` holds, and ``held`` (per slot: the position kept there, and ``until``,
     where the policy gives it up) updated.
@@ -1013,11 +1014,11 @@ def _keep(hidden, held, slot, c, avals, keep, pos, until, per_leaf) -> tuple[lis
     if jax.default_backend() == "cpu":
 
         def write(hidden, held_pos, held_until):
-            hidden = _recursion.write(hidden, slot, c, avals, pos=pos, per_leaf=per_leaf)
+            hidden = carry_slots.write(hidden, slot, c, pos=pos)
             return hidden, (held_pos.at[slot].set(pos), held_until.at[slot].set(until))
 
         return lax.cond(keep, write, lambda *a: (a[0], a[1:]), list(hidden), *held)
-    hidden = _recursion.write(hidden, slot, c, avals, keep, pos=pos, per_leaf=per_leaf)
+    hidden = carry_slots.write(hidden, slot, c, keep, pos=pos)
     held_pos = held_pos.at[slot].set(jnp.where(keep, pos, held_pos[slot]))
     held_until = held_until.at[slot].set(jnp.where(keep, until, held_until[slot]))
     return hidden, (held_pos, held_until)
