@@ -328,7 +328,8 @@ def backward(
     give_cts: Callable,
     unroll: int = 1,
     first: int | jax.Array = 0,
-    carry_slots: CarrySlots | None = None,
+    *,
+    carry_slots: CarrySlots,
 ):
     """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the kept
     stack.
@@ -351,8 +352,7 @@ def backward(
         first: the last step to back-propagate (a traced or static int): ``h_first`` is
             ``init``. `memento.while_loop` with a host level runs the recursion once per
             interval between host checkpoints, from the interval's first carry.
-        carry_slots: the slots' layout, as the caller allocated and wrote them (default:
-            a pool per dtype, `CarrySlots`).
+        carry_slots: the slots' layout, as the caller allocated and wrote them.
 
     Returns:
         ``(ct_k, ct_init, aux)``.
@@ -369,14 +369,14 @@ def backward(
     reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
     4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
     them in order in the calling thread only while no array it touches exceeds 512 bytes
-    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``carry_slots.per_leaf``
-    the slots of each carry leaf are a pool of their own and the splits read no table. (With a pool
-    per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2) ran
-    its backward as a dataflow graph, at 1.3x the time of its
+    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``carry_slots.per_leaf`` the
+    slots of each carry leaf are a pool of their own and the splits read no table. (With
+    a pool per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2)
+    ran its backward as a dataflow graph, at 1.3x the time of its
     ``RecursiveCheckpointAdjoint``'s.)
     """
     never = jnp.int32(np.iinfo(np.int32).max)
-    layout = carry_slots or CarrySlots(tuple(body.carry_avals))
+    layout = carry_slots
     # Where the loop can run in order (``per_leaf``), splits with no table; else from the
     # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
     # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6, in
@@ -435,6 +435,12 @@ def backward(
 # `memento.scan` under the HSM policy
 
 
+def scan_slots(body: Body) -> CarrySlots:
+    """The slots of `memento.scan`'s recursion: a pool per dtype (its forward and backward
+    share them)."""
+    return CarrySlots(tuple(body.carry_avals))
+
+
 def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int, *, unroll=1):
     """The forward pass of a scan: its values, and the recursion's first pushes.
 
@@ -443,7 +449,7 @@ def scan_forward(body: Body, spec, slots: int, consts, init, xs, num_steps: int,
     """
     t = num_steps
     pushes = first_pushes(t, slots)
-    layout = CarrySlots(tuple(body.carry_avals))
+    layout = scan_slots(body)
     stacks = layout.allocate(slots - 1)
     # A sentinel past every position keeps the pointer in bounds without a test.
     at = jnp.asarray(np.array([*pushes, np.iinfo(np.int32).max], np.int32))
@@ -501,5 +507,6 @@ def scan_backward(
     ct_k, ct_init, ct_xs = backward(
         body, slots, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
         jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts, unroll,
+        carry_slots=scan_slots(body),
     )  # fmt: skip
     return ct_k, ct_init, ct_xs

@@ -120,15 +120,15 @@ def scan(
     with JAX 0.10.2 on CPU, and lowered for ``cuda``. Elsewhere (older JAX, backends
     without it) the same schedule runs with every slot on the device, with identical
     numbers. Under an outer ``jvp`` (``jax.hessian``) host slots stay on the device: JAX
-    0.10.2 builds the zero tangent of a host array in device memory. Each copy is issued by the row that needs
-    it, not prefetched a row ahead: where a copy is slower than a step, the model's
-    ``max(compute, transfer)`` is a lower bound on the time (a copy took 127-170 us for
-    0.5-2 MiB on an H200, ``benchmarks/host_copy.py``). The gradient with host slots is
-    checked on CPU in float64 and was checked on an H200 (jax 0.11.2: the host tests of
-    ``tests/loops/test_scan_host.py`` passed there, and an LSTM's gradient with host
-    slots equalled ``lax.scan``'s exactly); openxla/xla#46231 gave wrong
-    gradients with offloaded scan residuals on GPU before July 2026: check yours against
-    ``lax.scan`` on a small case (``benchmarks/offload.py`` does).
+    0.10.2 builds the zero tangent of a host array in device memory. Each copy is issued
+    by the row that needs it, not prefetched a row ahead: where a copy is slower than a
+    step, the model's ``max(compute, transfer)`` is a lower bound on the time (a copy
+    took 127-170 us for 0.5-2 MiB on an H200, ``benchmarks/host_copy.py``). The gradient
+    with host slots is checked on CPU in float64 and was checked on an H200 (jax 0.11.2:
+    the host tests of ``tests/loops/test_scan_host.py`` passed there, and an LSTM's
+    gradient with host slots equalled ``lax.scan``'s exactly); openxla/xla#46231 gave
+    wrong gradients with offloaded scan residuals on GPU before July 2026: check yours
+    against ``lax.scan`` on a small case (``benchmarks/offload.py`` does).
 
     Returns:
         ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included (a

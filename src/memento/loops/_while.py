@@ -693,8 +693,9 @@ def _differentiable_run(
     events,
     is_buffer,
     write_spec,
-    host: bool = False,
-    carry_slots: _recursion.CarrySlots | None = None,
+    *,
+    host: bool,
+    carry_slots: _recursion.CarrySlots,
 ):
     """The loop as a ``custom_vjp`` function of (consts, cond_consts, init, buffers), flat
     leaves; it returns ``(carry, buffers)``.
@@ -702,10 +703,8 @@ def _differentiable_run(
     The forward keeps carries where ``events`` say: in device slots, or with ``host`` in
     host slots. The backward back-propagates by the recursion in ``slots`` device slots
     (``h_0`` included): over the kept stack, or with ``host`` over each host interval.
-    ``carry_slots``: the slots' layout (`_in_order` picks ``per_leaf``; default a pool
-    per dtype).
+    ``carry_slots``: the slots' layout (`_in_order` picks ``per_leaf``).
     """
-    carry_slots = carry_slots or _recursion.CarrySlots(tuple(body.carry_avals))
     num_slots = events.memory - 1  # physical slots of the kept level; h_0 is the caller's
     store_pos, store_slot = events.store_rows
     # A sentinel row past every position keeps the pointer in bounds without a test.
@@ -1007,8 +1006,8 @@ def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, t
     an in-place update each) on the steps that store nothing, most of them: Diffrax's
     adaptive solve with ``SaveAt(ts=2)`` went from 1.49x to 1.33x the time of its
     ``RecursiveCheckpointAdjoint`` when this was made (``python
-    benchmarks/diffrax_adjoints.py --part saveat``, 2 CPU cores). Off the CPU the write stays masked: XLA:GPU reads a
-    conditional's predicate back to the host at every step.
+    benchmarks/diffrax_adjoints.py --part saveat``, 2 CPU cores). Off the CPU the write
+    stays masked: XLA:GPU reads a conditional's predicate back to the host at every step.
     """
     held_pos, held_until = held
     if jax.default_backend() == "cpu":
