@@ -7,7 +7,7 @@
 - A block that only includes a file (``--8<-- "examples/x.py"``) is run where that file
   is: README.md's sections here, the examples by tests/test_examples.py.
 - The `memento plan` output the README quotes is what the command prints.
-- The README's tables of measurements are the committed results files
+- The tables of measurements in the README and the docs are the committed results files
   (benchmarks/results/*.json), to the digits shown.
 """
 
@@ -96,7 +96,7 @@ def test_readme_plan_output_is_the_clis(capsys):
     assert capsys.readouterr().out == quoted
 
 
-# -- the README's tables against benchmarks/results ---------------------------------------
+# -- the pages' tables against benchmarks/results ----------------------------------------
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "KiB": 1.0, "MiB": 1024.0}
 
@@ -110,10 +110,10 @@ def _shown(text: str, value: float, unit_scale: float = 1.0) -> bool:
     return abs(scaled - shown) <= half
 
 
-def _table(after_text: str) -> list[list[str]]:
-    """The first Markdown table after ``after_text`` in README.md, without its rule line."""
-    readme = (ROOT / "README.md").read_text()
-    lines = readme.split(after_text, 1)[1].splitlines()
+def _table(after_text: str, page: str = "README.md") -> list[list[str]]:
+    """The first Markdown table after ``after_text`` in ``page``, without its rule line."""
+    text = (ROOT / page).read_text()
+    lines = text.split(after_text, 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
     for line in lines[start:]:
@@ -128,13 +128,37 @@ def _quantity(text: str) -> tuple[str, float]:
     return number, _UNITS[unit]
 
 
-def test_readme_long_loop_table_is_results_long_json():
+def test_readme_headline_table_is_results_rnn_json():
+    # "What it costs": the T=4096 LSTM of benchmarks/rnn.py, each row one method.
+    size = next(s for s in json.loads((ROOT / "benchmarks/results/rnn.json").read_text())[
+        "sizes"] if s["num_steps"] == 4096)  # fmt: skip
+    methods = {m["name"]: m for m in size["methods"]}
+    names = {
+        "`lax.scan` (keeps every step)": "lax.scan",
+        "`lax.scan(jax.checkpoint(step))`": "checkpoint/step",
+        "nested sqrt(T) `lax.scan`s": "nested sqrt(T) (64x64)",
+        "Equinox checkpointed `while_loop`, 5%": "equinox 5% (C=205)",
+        '`memento.scan`, `memory="25%"`': "memento 25% (m=1024)",
+        '`memento.scan`, `memory="5%"`': "memento 5% (m=205)",
+        '`memento.scan`, `memory="1%"`': "memento 1% (m=41)",
+    }
+    table = _table("## What it costs")
+    assert table[0][0] == "method" and len(table) == len(names) + 1
+    for name, memory, time, evaluations in table[1:]:
+        row = methods[names[name]]
+        number, scale = _quantity(memory)
+        assert _shown(number, row["temp_bytes"] / 1024, scale), (name, memory)
+        assert _shown(time.removesuffix("x"), row["time_vs_lax"]), (name, time)
+        assert _shown(evaluations, row["evaluations_per_step"]), (name, evaluations)
+
+
+def test_jax_guide_long_loop_table_is_results_long_json():
     results = json.loads((ROOT / "benchmarks/results/long.json").read_text())
     rows = {(r["method"], r["T"]): r for r in results["results"]}
     ratios = {
         (r["method"], r["T"]): r["first_call_vs_lax_scan"] for r in results["first_call_ratios"]
     }
-    table = _table("`python benchmarks/long.py`")
+    table = _table("`python benchmarks/long.py`", "docs/jax.md")
     assert table[0][0] == "T" and len(table) == 5
     for T_text, first, lax_first, ratio, per_grad, memory in table[1:]:
         T = 10 ** int(T_text.removeprefix("10^"))
@@ -156,10 +180,10 @@ def test_readme_long_loop_table_is_results_long_json():
         assert _shown(number, lax["temp_kib"], scale), (T, memory, lax["temp_kib"])
 
 
-def test_readme_sharded_table_is_results_sharded_json():
+def test_jax_guide_sharded_table_is_results_sharded_json():
     results = json.loads((ROOT / "benchmarks/results/sharded.json").read_text())
     rows = {(r["workload"], r["mode"], r["method"].split()[0]): r for r in results["rows"]}
-    table = _table("`python benchmarks/sharded.py`")
+    table = _table("`python benchmarks/sharded.py`", "docs/jax.md")
     assert table[0][:3] == ["workload", "sharding", "checkpoint/step"] and len(table) == 5
     for name, sharding, *cells in table[1:]:
         if not name.startswith(("LSTM", "residual block")) or not cells:
@@ -173,10 +197,10 @@ def test_readme_sharded_table_is_results_sharded_json():
             assert _shown(time, row["time_ratio"]), (name, sharding, method, cell)
 
 
-def test_readme_small_loops_table_is_results_small_loops_json():
+def test_jax_guide_small_loops_table_is_results_small_loops_json():
     results = json.loads((ROOT / "benchmarks/results/small_loops.json").read_text())
     rows = {(r["threshold"], r["cell"], r["width"]): r for r in results["rows"]}
-    table = _table("`python benchmarks/small_loops.py`")
+    table = _table("`python benchmarks/small_loops.py`", "docs/jax.md")
     assert table[0][0] == "cell, width" and len(table) == 9
     cells = {"`tanh(W @ h + x)`": "matvec", "`tanh(1.01 h + x)`": "elementwise"}
     for name, default, raised, times in table[1:]:
@@ -191,8 +215,8 @@ def test_readme_small_loops_table_is_results_small_loops_json():
             assert _shown(number, seconds, scale), (name, shown, seconds)
 
 
-def test_readme_gpu_lstm_table_is_results_gpu_gpu_rnn_json():
-    # Each number of the README's H200 LSTM table is a row of the three result files
+def test_benchmarks_gpu_lstm_table_is_results_gpu_gpu_rnn_json():
+    # Each number of the Benchmarks page's GPU LSTM table is a row of the three result files
     # (the first that has the method at that T), its time ratio against that file's
     # own lax.scan.
     rows = {}
@@ -204,7 +228,7 @@ def test_readme_gpu_lstm_table_is_results_gpu_gpu_rnn_json():
                 rows.setdefault((r["method"], r["steps"]), (r, lax[r["steps"]]))
     names = {"`lax.scan`": "lax.scan", "`lax.scan(jax.checkpoint(step))`": "lax.scan+ckpt",
              "nested sqrt(T) `lax.scan`s": "nested sqrt(T)", "Equinox, 5% checkpoints": "equinox 5%"}  # fmt: skip
-    table = _table("`python benchmarks/gpu_rnn.py`")
+    table = _table("`python benchmarks/gpu_rnn.py`", "docs/benchmarks.md")
     assert table[0][0] == "method" and len(table) == 8
     shown = 0
     for name, *cells in table[1:]:
