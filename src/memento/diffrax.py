@@ -62,7 +62,7 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             those of one batch member.
         saves_per_step: deprecated, and has no effect (a ``DeprecationWarning``): the
             save loop writes the outputs in place, as many rows as each step passes.
-            It bounded the rows of a per-step log before; it will be removed.
+            It will be removed.
 
     Raises:
         TypeError, ValueError: a ``memory`` that is not a budget (at construction).

@@ -39,8 +39,7 @@ element ``c`` of that cotangent: a predicate true for every ``c`` (NaN included)
 compiler folds, so every value (-0.0, NaN, inf, integers, booleans) and every cotangent
 passes through bit for bit. XLA:CPU expands optimization barriers before its last CSE
 pass, so a barrier alone does not stop it from merging the recomputations from one state
-into one (measured with jax 0.10.2: 10 layer evaluations compiled where the plan makes
-21); the tie does, on every backend, and it also keeps a recomputation after the
+into one; the tie does, on every backend, and it also keeps a recomputation after the
 backward steps that precede it. So the compiled program evaluates every layer as often
 as the plan says, in the plan's order (tested by counting instructions in the compiled
 program).
@@ -57,15 +56,11 @@ Limitations:
   about a second for a hundred layers, so chains of a few hundred layers at most;
 - the plan bounds the states the program keeps alive; XLA adds the working memory of the
   layers being evaluated (the paper's "working state", not charged) and schedules buffers
-  its own way, so measured memory follows the budget without equalling it
-  (``benchmarks/chain.py`` reports the ratio);
+  its own way, so the compiled program's memory follows the budget without equalling it;
 - a uniform stack (every layer the same computation on parameters of the same shapes)
   is not turned into a `memento.scan` automatically: scanning needs the parameters
   stacked, and stacking per-layer parameters inside the gradient copies them and their
-  cotangents. Eight 256x256 float64 dense layers on a (256, 64) state, ``memory=1``:
-  256 KiB of temporary memory through `chain`, 8.0 MiB through `scan_layers` with the
-  parameters stacked inside the function, 1.5 MiB with them stacked beforehand. Hold
-  such parameters stacked and call `scan_layers`, whose program does not grow with the
+  cotangents. Hold such parameters stacked and call `scan_layers`, whose program does not grow with the
   depth.
 """
 
@@ -216,8 +211,7 @@ def _tie(state: list, ct: list) -> tuple[list, list]:
     A recomputation from a loaded state must be neither merged with another from the
     same state (CSE) nor moved before the backward steps already done. An
     ``optimization_barrier`` on (state, cotangent) says so, but XLA:CPU expands barriers
-    before its last CSE pass (``cse_barrier_expander``; still so in jax 0.10.2, measured:
-    10 layer evaluations compiled where the plan makes 21), which then merges the
+    before its last CSE pass (``cse_barrier_expander``), which then merges the
     recomputations. So each leaf also passes through ``select(c == c | c != c, leaf, 0)``
     with ``c`` one element of the cotangent: the predicate is true for every value of
     ``c`` (NaN included) but no compiler folds it (a float compared with itself may be

@@ -109,8 +109,8 @@ class Program:
     @property
     def runtime_bytes(self) -> int:
         """Bytes of the rows the backward pass reads at run time (`runtime_arrays`): device
-        memory outside the slots' budget, as the rows took as constants before (about
-        60 B a step for HSM at 10 slots). The sweep's saves add O(slots)."""
+        memory outside the slots' budget (a few tens of bytes a step). The sweep's saves
+        add O(slots)."""
         return self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
 
     @property
@@ -220,13 +220,12 @@ def compile_schedule(schedule: Schedule) -> Program:
 def runtime_arrays(arrays) -> list:
     """NumPy arrays as values the compiled program receives when it runs, not constants.
 
-    A schedule has O(t) rows. As constants they made the program grow with the number
-    of steps, and XLA:GPU compiles a large constant slowly (GitHub issue 20: 1.2 s at
-    10^4 steps, 12 s at 10^5, against 0.26 s for the recursion). They come instead from
+    A schedule has O(t) rows. As constants they would make the program grow with the
+    number of steps, and XLA:GPU compiles a large constant slowly. They come instead from
     one ``jax.pure_callback`` with no operands, which hands the host's arrays to the
-    device each time the program runs (a copy of the rows: at 10^6 steps about 50 MB,
-    once per pass). With no operands it is bound outside every transformation: never
-    batched under ``vmap``, no tangent under ``jvp`` (so Hessians are as before), one
+    device each time the program runs (a copy of the rows, once per pass). With no
+    operands it is bound outside every transformation: never batched under ``vmap``, no
+    tangent under ``jvp`` (so Hessians are unaffected), one
     call per device under ``shard_map``, and under ``jit`` with sharded inputs one call
     whose result XLA broadcasts to the other devices, outside the loops.
 

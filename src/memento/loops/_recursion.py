@@ -88,8 +88,8 @@ def _binomials(slots: int) -> tuple[np.ndarray, np.ndarray]:
 
     Row m runs to the level ``W(m)``, the smallest w with ``B(m, w) >= 2^31 - 1``, so the
     table depends on the budget only, never on the number of steps: the program of a
-    scan of 10^3 steps and of 10^8 is the same (GitHub issue 20: XLA:GPU compiles large
-    constants slowly). Rows 1 to 3 have closed forms (`_binomial`), and rows from 4 on
+    scan of 10^3 steps and of 10^8 is the same (XLA:GPU compiles large constants
+    slowly). Rows 1 to 3 have closed forms (`_binomial`), and rows from 4 on
     are short: about 1.9 thousand entries at 100 slots, 6.9 thousand at 1000.
     """
     # Rows m >= 4 column by column (NumPy over m; a row ends at its first entry >= _TOP,
@@ -229,7 +229,7 @@ def first_pushes(num_steps: int, slots: int) -> list[int]:
 @functools.lru_cache(maxsize=32)
 def _first_pushes(num_steps: int, slots: int) -> tuple[int, ...]:
     # Cached: the forward and backward passes both ask, and a large budget makes it a
-    # loop of as many closed-form splits (10^5 slots: 0.1 s).
+    # loop of as many closed-form splits.
     out, b, m = [], 0, slots
     while num_steps - b >= 3 and m >= 2:
         b += hsm_split(num_steps - b, m)
@@ -363,24 +363,20 @@ def backward(
     free list is kept. The stacks are read outside conditionals and written by masked
     updates, so XLA updates them in place (see `memento.loops._interpreter.run_backward`).
 
-    On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time at about
-    0.3 us each, only while one iteration's cost model accesses under 1 KiB and holds no
+    On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time, only
+    while one iteration's cost model accesses under 1 KiB and holds no
     sort or scatter. The loop is kept that small: splits come from a table (three
     reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
     4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
     them in order in the calling thread only while no array it touches exceeds 512 bytes
     (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``carry_slots.per_leaf`` the
-    slots of each carry leaf are a pool of their own and the splits read no table. (With
-    a pool per dtype and a table of binomials, Diffrax's adaptive solve with SaveAt(ts=2)
-    ran its backward as a dataflow graph, at 1.3x the time of its
-    ``RecursiveCheckpointAdjoint``'s.)
+    slots of each carry leaf are a pool of their own and the splits read no table.
     """
     never = jnp.int32(np.iinfo(np.int32).max)
     layout = carry_slots
     # Where the loop can run in order (``per_leaf``), splits with no table; else from the
-    # table, which keeps a tiny scan's backward one compiled kernel (with the table-free
-    # search, `benchmarks/recursion.py`'s tanh4 scan of 10^4 steps took 5.3 ms, not 0.6, in
-    # a one-off run of that variant, not committed).
+    # table, which keeps a tiny scan's backward one compiled kernel (the table-free search
+    # does not fit XLA:CPU's one-kernel loop size).
     split = hsm_split_on_device if layout.per_leaf else hsm_splitter(slots)
 
     def next_push(e, p, depth):

@@ -64,18 +64,16 @@ from ._scan import host_slots, parse_host_memory
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
-# max_steps) per process, at trace time) grows as about m^3 for an unbounded loop:
-# measured 0.46 s at 64 slots, 1.8 s at 128, 9.0 s at 256 (2 shared CPU cores). Budgets
-# above it that do not keep every carry use this many slots, with a warning. What the
-# extra slots would save, offline (HSM's C(n, m) / n): at n = 10^5, 3.92 at 128 slots
-# against 3.67 at 256 and 2.99 at 1024; at n = 10^4, 3.15 / 2.97 / 2.90.
+# max_steps) per process, at trace time) grows as about m^3 for an unbounded loop, and
+# takes seconds. Budgets above it that do not keep every carry use this many slots, with
+# a warning; the extra slots would save little (HSM's C(n, m) / n at n = 10^5: 3.92 at
+# 128 slots, 3.67 at 256).
 _MAX_POLICY_SLOTS = 128
 # The forward pass reads each column of its event table (int32) from this many constants
 # (`_interpreter.read_table`): every table up to 2048 rows, all those of budgets up to 16
 # slots (1102 rows unbounded) and of 32 slots up to 10^5 steps (933), in pieces of at
-# most 512 bytes, the loop then running op after op on XLA:CPU where its carry is small
-# (Diffrax's adaptive solve with SaveAt(ts=2) took 1.5x the time of its forward pass
-# with the table read whole); longer tables are read whole.
+# most 512 bytes, so that XLA:CPU runs the loop op after op where its carry is small
+# rather than as a dataflow graph; longer tables are read whole.
 _TABLE_PIECES = 16
 
 
@@ -105,8 +103,8 @@ def while_loop(
     of `memento.planning`: ``2n`` up to ``memory`` steps, the online optimum of
     Stumm and Walther's algorithm I (``3n - memory``) up to ``binom(memory + 2, 2) - 1``
     steps, and beyond within 6% of the offline optimum ``memento.plan(n, memory).cost``
-    (measured for 20 <= n <= 10^4, memory in {8, 16, 30}); never more than Equinox's
-    checkpointed while loop with as many checkpoints on the grids measured. With
+    (for 20 <= n <= 10^4, memory in {8, 16, 30}); never more than Equinox's
+    checkpointed while loop with as many checkpoints on the grids tested. With
     ``host_memory=H``: ``online_evaluations(memory, n, host_memory=H)``, n in the forward
     pass and, in the backward, each interval between host checkpoints re-run from its
     first carry with ``memory`` device slots (``C_hsm(L, memory)`` for L steps, its L
@@ -144,10 +142,7 @@ def while_loop(
             Equinox's nested loops may, by naming them among its own ``buffers``: a
             number of writes per step known only at run time (Diffrax's save loop). Its
             ``cond_fun`` may not read them (a ``TypeError``). The steps take the
-            buffer and return it whole, so no copy is kept per step or per slot (a
-            900-step loop writing 2 rows a step into a 2000-row buffer: 1.07 buffers of
-            temporary memory; with Diffrax's save loop, 0.95x to 1.01x the temporary
-            memory of its own ``RecursiveCheckpointAdjoint``, 2 and 32 states).
+            buffer and return it whole, so no copy is kept per step or per slot.
         return_truncated: if True, return ``(final, truncated)``, where ``truncated`` is
             a bool scalar (one per member under ``vmap``): True when the loop stopped
             because it took ``max_steps`` steps while ``cond_fun`` still held, so the
@@ -206,19 +201,11 @@ def while_loop(
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
         does not keep every carry (``max_steps`` is None or at least the budget) is used
         as 128 slots, with a warning: the online policy's planning time grows as the cube
-        of the slots (1.8 s at 128, 9 s at 256 for an unbounded loop). A push costs O(1)
-        whatever the budget: the backward (`memento.loops._recursion`) keeps slot d - 1
-        for stack depth d and computes splits in closed form. More slots can be slower
-        where a tiny carry's slots then pass 512 bytes a leaf: XLA:CPU then runs the
-        loops as dataflow graphs over its thread pool. An RK4 step of a 4-to-8-to-4 MLP,
-        1000 steps (2 shared CPU cores, `python benchmarks/recursion.py --no-scan`,
-        results/recursion_while.json): 4/8/16/32/64/128 slots take
-        4.1/2.7/2.2/2.0/3.0/3.0 ms (4 floats at 63 slots: 1008 bytes); of a 256-wide
-        MLP, 40/24/19/16/14/14 ms. (The loop it
-        replaced kept a free list and found each split with nested loops; a backward
-        iteration then exceeded the 1 KiB of memory traffic under which XLA:CPU
-        compiles a loop as one kernel, and a tiny body paid ~1.4 us per step once its
-        slots held more than 512 bytes.)
+        of the slots. A push costs O(1) whatever the budget: the backward
+        (`memento.loops._recursion`) keeps slot d - 1 for stack depth d and computes
+        splits in closed form. More slots can be slower where a tiny carry's slots then
+        pass 512 bytes a leaf: XLA:CPU then runs the loops as dataflow graphs over its
+        thread pool.
 
     Example:
         >>> def solve(x):  # doctest: +SKIP
@@ -415,14 +402,11 @@ def _in_order(num_slots: int, carry_avals, arrays) -> bool:
     """Whether the loop's slots get a pool per carry leaf: where each leaf's slots, and
     every array the loop reads or carries (``arrays``: consts, buffers), hold at most
     `_interpreter.SMALL_ARRAY_BYTES`. XLA:CPU can then run its loops op after op in the
-    calling thread (Diffrax's adaptive solve with SaveAt(ts=2): a pool per dtype, 600
-    bytes for its five int64 counters, made it a dataflow graph over the thread pool).
-    Where a larger array makes it such a graph anyway, a pool per dtype keeps the writes
-    of a slot in one chain, which that executor runs faster than as many independent
-    writes (SaveAt(ts=100), whose output is 1600 bytes, in one-off runs of both layouts:
-    0.67 against 0.73 of the time of Diffrax's RecursiveCheckpointAdjoint). Sizes are a
-    batch member's under vmap, as the budget's (the benchmark's batch of 8 solves, per
-    leaf now, runs as fast as it did with pools per dtype)."""
+    calling thread (a pool per dtype can pass that size, e.g. for Diffrax's five int64
+    counters, and make the loop a dataflow graph over the thread pool). Where a larger
+    array makes it such a graph anyway, a pool per dtype keeps the writes of a slot in
+    one chain, which that executor runs faster than as many independent writes. Sizes
+    are a batch member's under vmap, as the budget's."""
     leaf = max((nbytes([a]) for a in carry_avals), default=0)
     biggest = max((nbytes([jax.typeof(x)]) for x in arrays), default=0)
     return max(num_slots, 1) * leaf <= SMALL_ARRAY_BYTES and biggest <= SMALL_ARRAY_BYTES
@@ -714,8 +698,7 @@ def _differentiable_run(
     store_until = np.append(_given_up(events), big).astype(np.int32)
     # In pieces only where the loop can run in order (`_in_order`, which then also gives
     # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
-    # the whole table was faster (a 4-float carry at 64 and 128 slots: 3.0 ms per
-    # gradient, results/recursion_while.json, against 3.2 in pieces, a one-off run).
+    # the whole table is faster.
     pieces = _TABLE_PIECES if carry_slots.per_leaf else 1
     threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
@@ -1003,11 +986,9 @@ def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, t
     where the policy gives it up) updated.
 
     On CPU a conditional skips the masked write of every carry leaf (a read, a select and
-    an in-place update each) on the steps that store nothing, most of them: Diffrax's
-    adaptive solve with ``SaveAt(ts=2)`` went from 1.49x to 1.33x the time of its
-    ``RecursiveCheckpointAdjoint`` when this was made (``python
-    benchmarks/diffrax_adjoints.py --part saveat``, 2 CPU cores). Off the CPU the write
-    stays masked: XLA:GPU reads a conditional's predicate back to the host at every step.
+    an in-place update each) on the steps that store nothing, most of them. Off the CPU
+    the write stays masked: XLA:GPU reads a conditional's predicate back to the host at
+    every step.
     """
     held_pos, held_until = held
     if jax.default_backend() == "cpu":

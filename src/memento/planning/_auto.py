@@ -52,8 +52,8 @@ def check_policy(fn: str, policy) -> Policy:
 _MSM_AUTO_SECONDS = 1.0
 
 # What "auto" charges for storing one internal state, in forward evaluations, in JAX.
-# Measured (benchmarks/rnn.py and a pool microbenchmark, LSTM H=64 on CPU): writing a
-# step's residuals to the word pool and reading them back costs about 0.15 of a forward.
+# Calibrated on an LSTM step on CPU (benchmarks/rnn.py, benchmarks/pool.py): writing a
+# step's residuals to a pool and reading them back costs a fraction of a forward.
 INTERNAL_STATE_CHARGE = 0.25
 
 
@@ -64,15 +64,13 @@ class Charges:
 
     Attributes:
         internal: per internal state stored. JAX's executors copy a stored step's
-            residuals into a pool and back: `INTERNAL_STATE_CHARGE` (with a byte pool the
-            charge was about one forward, bitcasts that add a byte axis are not free in
-            XLA:CPU, and MSM never won; with the word pool it is a fraction, see
-            ``memento.loops._pool``). `memento.torch` keeps the step's autograd graph as
+            residuals into a pool and back: `INTERNAL_STATE_CHARGE`, a fraction of a
+            forward (see ``memento.loops._pool``). `memento.torch` keeps the step's autograd graph as
             it is, copying nothing, and charges 0.
         rows_step: per step, for a plan that runs on the rows (ISM and MSM) where HSM
             would run as the recursion, which reads no schedule. 0 where the two cost
-            alike per step (CPU); `memento.scan` passes what it measured on a GPU (see
-            ``memento.loops._scan.auto_charges``). The rows' extra is in the primal rows
+            alike per step (CPU); `memento.scan` passes a calibrated charge on a GPU
+            (see ``memento.loops._scan.auto_charges``). The rows' extra is in the primal rows
             that the backward runs between its steps, about one per recomputation, so a
             plan that recomputes less than once a step is charged that fraction: one
             that stores every step (a budget for all of them) runs none and is charged
@@ -120,9 +118,8 @@ def predicted_work(schedule: Schedule, charges: Charges = Charges()) -> float:
 def rows_charge(num_steps: int, cost: float, charges: Charges) -> float:
     """What a plan on the rows of ``cost`` forward evaluations for ``num_steps`` steps is
     charged for them: ``charges.rows_step`` per step, or per recomputation (``cost`` less
-    the first sweep's ``num_steps``) where there are fewer. Measured, on the plans of
-    `benchmarks/gpu_policy.py`: MSM and ISM run about one primal row per recomputation in
-    their backward (0.97 and 1.05 a step at 1000 steps and 250 slots, alpha 8)."""
+    the first sweep's ``num_steps``) where there are fewer: MSM and ISM run about one
+    primal row per recomputation in their backward."""
     return charges.rows_step * min(num_steps, max(cost - num_steps, 0))
 
 

@@ -16,7 +16,7 @@ for C and for an optimal split (``_closed.py``), so planning costs O(number of s
 nodes) plus vectorised leaves. MSM with alpha >= 2 has neither: C(., m) is not convex in t
 and the set of optimal y is not an interval (checked against the oracle). Its exact table
 is filled column by column in O(t) vectorised work per column and certified against a
-convex lower bound (``_msm.py``; about 0.5 s at t = 10,000, m = 200). Optimality is
+convex lower bound (``_msm.py``). Optimality is
 within the paper's model, where a stored state is kept until its steps are
 back-propagated; a schedule that frees a state early (reload h_y, free it, keep an
 internal state in its room) can be cheaper for MSM, and the simulator accepts it
@@ -55,9 +55,9 @@ __all__ = ["cost_table", "plan", "plan_estimate"]
 _MSM_BUDGET_S = 120.0  # refuse work (MSM tables, rows, cost tables) estimated longer
 _MSM_BUDGET_BYTES = 4 * 2**30  # or larger than this (MSM tables: C, H, D, 13 B per cell)
 
-# Unrolling, measured on 2 shared CPU cores (t = 10^6 .. 5 * 10^6, m = 10 .. 1000): at
+# Unrolling, calibrated with benchmarks/long.py (t = 10^6 .. 5 * 10^6, m = 10 .. 1000): at
 # most 5 rows per step, int32 rows of 12 B, about 36 B per row at the peak (the leaves'
-# blocks and their concatenation), 0.25-1.2 us per step (more for small m: more splits).
+# blocks and their concatenation); time per step grows for small m (more splits).
 _ROWS_PER_STEP = 5
 _PEAK_BYTES_PER_ROW = 40
 _S_PER_STEP = 1.2e-6
@@ -153,8 +153,8 @@ def plan_estimate(
 ) -> tuple[float, int]:
     """Seconds and peak bytes `plan` is expected to take for these arguments.
 
-    A model fitted on 2 shared CPU cores (`benchmarks/long.py` re-measures it): about
-    1.2 us and 200 B per step to unroll the rows, plus the exact table's time and
+    A model fitted with `benchmarks/long.py`: about 1.2 us and 200 B per step to unroll
+    the rows, plus the exact table's time and
     13 B per cell for MSM with alpha >= 2 (`msm_estimate_s`). `plan` refuses, before
     doing any work, what is estimated above two minutes or 4 GiB. ``policy="auto"``
     counts the rows of two plans and MSM's table when it plans MSM.
@@ -524,10 +524,10 @@ def plan(
         'msm'
 
     Notes:
-        Planning time: HSM and ISM use closed forms (t = 100,000, m = 100 in tens of ms);
-        MSM with alpha = 1 too; MSM with alpha >= 2 fills an exact table in O(t m)
-        vectorised work (about 0.5 s at t = 10,000, m = 200), and sizes estimated to take
-        more than two minutes or 4 GiB are refused up front.
+        Planning time: HSM and ISM use closed forms, and so does MSM with alpha = 1; MSM
+        with alpha >= 2 fills an exact table in O(t m) vectorised work per budget. Sizes
+        estimated to take more than two minutes or 4 GiB are refused up front
+        (`plan_estimate`).
 
     References:
         A. Gruslys, R. Munos, I. Danihelka, M. Lanctot, A. Graves. Memory-Efficient

@@ -91,8 +91,8 @@ __all__ = ["Charges", "check_host", "emit_two_level", "host_tables", "plan_two_l
 # Choices, in the order ties are broken (the first wins).
 Q1, Q2, Q0, Q1H, Q2H, Q3 = range(6)
 _DEV, _HOST = 0, 1
-# Measured on 2 shared CPU cores: seconds per t^2 (d + 1) (h + 1), HSM (t = 10^4, d = 9,
-# unbounded host: 12.7 s; t = 1000, d = 99: 2.6 s); MSM's two more options about double it.
+# Calibrated on CPU: seconds per t^2 (d + 1) (h + 1) for HSM; MSM's two more options
+# about double it.
 _S_PER_CELL = 1.3e-8
 
 

@@ -34,7 +34,7 @@ integer; likewise for Q2b. (b) then gives c[t] <= C(t, m). Rows taken from
 are exact (`_extend`) and so are convolutions of convex piecewise-linear functions: merge
 the segments in slope order (`_Conv`); all values are integers.
 
-Why it is fast (measured, not needed for exactness). Each column is within 1 of its lower
+Why it is fast (observed, not needed for exactness). Each column is within 1 of its lower
 convex hull (max of C - hull: 0.994 for t <= 10,000, m <= 200, alpha = 5 with beta = 5 and
 beta = 2, and alpha = 2), although C(., m) is not convex; the hulls have few vertices (29
 on average). Then at the minimiser (y, t-y) of F(y) + G(t-y) one of the two is a vertex
@@ -57,10 +57,10 @@ _BIG = 1 << 60  # "infinity" in int64 tables; BIG + BIG + t still fits in int64
 _HIDDEN, _INTERNAL = 0, 1  # H(t, m)
 _EXACT_ROWS = 64  # rows msm_tables takes from the full table (blocks start from there)
 # A block (T1, T2] ends by T2 = 4 T1: the hull of the first rows says little about later
-# slopes, and a block stretched too far costs a refill (measured: 4 is about the fastest).
+# slopes, and a block stretched too far costs a refill (4 is about the fastest).
 _GROWTH = 4
-# Measured on 2 shared CPU cores (benchmarks/planner.py): the full table's cost per (t, m,
-# y) candidate; the column-wise table's per column and per (t, m) cell.
+# Calibrated with benchmarks/planner.py: the full table's cost per (t, m, y) candidate;
+# the column-wise table's per column and per (t, m) cell.
 _S_PER_CANDIDATE = 2e-9
 _S_PER_COLUMN = 4e-4
 _S_PER_CELL = 2.5e-7
@@ -75,7 +75,7 @@ def _estimates_s(num_steps: int, memory: int, alpha: int, beta: int) -> tuple[fl
 def msm_estimate_s(num_steps: int, memory: int, alpha: int, beta: int) -> float:
     """Seconds `memento.plan` is expected to spend on the exact BPTT-MSM table.
 
-    About ``4e-4 m + 2.5e-7 t m`` (2 shared CPU cores; 0.5 s at t = 10,000, m = 200), or
+    About ``4e-4 m + 2.5e-7 t m`` (calibrated with ``benchmarks/planner.py``), or
     the O(t^2 m) full table's time where that is less (t below about 500). Zero for
     ``alpha = 1``, which `memento.plan` plans by ISM's closed form.
     """

@@ -43,7 +43,7 @@ from ._closed import hsm_cost, hsm_split
 
 __all__ = ["OnlineEvents", "checkpoints_at", "online_evaluations", "online_events"]
 
-_GROWTH = 1.2  # horizon ratio of phase 3; measured best of {1.2, 1.3, 1.5, 2}
+_GROWTH = 1.2  # horizon ratio of phase 3; the fewest evaluations of {1.2, 1.3, 1.5, 2}
 
 
 def _next_horizon(c: int, horizon: int) -> int:
@@ -78,7 +78,7 @@ def _cost(length: int, m: int) -> int:
 
 def _future(length: int, m: int) -> int:
     # Predicted cost of the rest, from the last kept carry: its offline cost, sweep
-    # included (the backward sweeps it again; measured better than leaving the sweep out).
+    # included (the backward sweeps it again; fewer evaluations than leaving it out).
     return _cost(length, m)
 
 
