@@ -99,19 +99,13 @@ def while_loop(
     the backward pass re-plans the rest optimally (binomial checkpointing) from what was
     kept. The compiled program does not grow with ``max_steps``.
 
-    Forward evaluations of ``body_fun`` for n steps are ``online_evaluations(memory, n)``
-    of `memento.planning`: ``2n`` up to ``memory`` steps, the online optimum of
-    Stumm and Walther's algorithm I (``3n - memory``) up to ``binom(memory + 2, 2) - 1``
-    steps, and beyond within 6% of the offline optimum ``memento.plan(n, memory).cost``
-    (for 20 <= n <= 10^4, memory in {8, 16, 30}); never more than Equinox's
-    checkpointed while loop with as many checkpoints on the grids tested. With
-    ``host_memory=H``: ``online_evaluations(memory, n, host_memory=H)``, n in the forward
-    pass and, in the backward, each interval between host checkpoints re-run from its
-    first carry with ``memory`` device slots (``C_hsm(L, memory)`` for L steps, its L
-    VJP steps included); with every carry on the host (``H >= max_steps``), ``2n``: the
-    backward recomputes nothing. For 1000 steps at ``memory=4``: 9376 evaluations
-    one-level, 7146 with ``H=8``, 4559 with ``H=32``, 2000 with ``math.inf``
-    (``tests/loops/test_while_host.py`` checks these and counts them in a run).
+    Forward evaluations of ``body_fun`` for n steps are ``online_evaluations(memory, n,
+    host_memory=H)`` of `memento.planning`: ``2n`` up to ``memory`` steps, the online
+    optimum ``3n - memory`` (Stumm and Walther's algorithm I) up to
+    ``binom(memory + 2, 2) - 1`` steps, and beyond within 6% of the offline optimum
+    ``memento.plan(n, memory).cost`` on the sizes tested; with every carry on the host,
+    ``2n``. For 1000 steps at ``memory=4``: 9376 one-level, 7146 with ``H=8``, 2000 with
+    ``math.inf``.
 
     Args:
         cond_fun, body_fun, init_val: as ``jax.lax.while_loop``.
@@ -192,8 +186,8 @@ def while_loop(
     Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
     predicate runs the batch until its last member stops, a stopped member's steps
     changing nothing; the batch shares one checkpoint schedule, that of its longest
-    member, and each member's gradient is its own), nesting. Forward over reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is
-    exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
+    member, and each member's gradient is its own), nesting. Forward over reverse
+    (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
     over reverse (``grad(grad(f))``, also through ``jax.checkpoint``) a
     ``NotImplementedError``.
 
