@@ -8,11 +8,8 @@ from typing import Any
 
 import torch
 
-from ..planning import (
-    Bytes,
-    Charges,
-    Policy,
-    Schedule,
+from ..planning import Bytes, Charges, Policy, Schedule
+from ..planning.internals import (
     check_policy,
     choose_schedule,
     internal_slots,
@@ -170,7 +167,7 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
     schedule = None
     slots = 0
     if budget is not None and loop.num_steps > 0:
-        slots = to_slots(budget, carry_bytes, name=name)
+        slots = to_slots(budget, carry_bytes, name=name, need=loop.num_steps * alpha)
         # Above storing every internal state (and h_0) nothing is gained: cap the budget.
         slots = min(slots, loop.num_steps * alpha + 1)
         # A stored internal state is the step's own autograd graph, kept, not copied:
