@@ -74,7 +74,7 @@ def test_hsm_percentage_counts_carries():
 
 
 def test_plan_refuses_bytes_and_small_shares():
-    with pytest.raises(TypeError, match=r"memento.plan: memory='5MiB' is a size in bytes, but plan counts slots"):
+    with pytest.raises(TypeError, match=r"memento.plan: memory must be an int, got '5MiB' \(str\); pass the budget in slots of one hidden state, e.g. 10, or a percentage such as '5%' \(plan counts slots: for bytes, divide by the carry's size\)"):
         plan(100, "5MiB")
     with pytest.raises(ValueError, match=r"memento.plan: memory='0.5%' of 100 slots \(every step's internal state\) is less than one; pass at least '1%'"):
         plan(100, "0.5%")

@@ -84,7 +84,13 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
     """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
     policy = check_policy(fn, policy)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
-    m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
+    m = _int(
+        fn,
+        "memory",
+        memory,
+        "pass the budget in slots of one hidden state, e.g. 10, or a percentage such as "
+        "'5%' (plan counts slots: for bytes, divide by the carry's size)",
+    )
     if t < 1:
         raise ValueError(f"{fn}: num_steps must be >= 1, got {t}")
     if m < 1:
@@ -434,15 +440,10 @@ def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
 def _slots_of_percent(fn: str, num_steps, memory, alpha):
     """``memory`` as given, or the slots of a percentage such as ``"5%"``: that share of
     ``num_steps * alpha`` (every internal state; ``num_steps`` without alpha)."""
-    if not isinstance(memory, str):
-        return memory
+    if not (isinstance(memory, str) and "%" in memory):
+        return memory  # `_check` refuses anything but an int
     budget = parse_memory(memory, name=fn)
-    if not isinstance(budget, Percent):
-        raise TypeError(
-            f"{fn}: memory={memory!r} is a size in bytes, but plan counts slots of one "
-            "hidden state; divide by the carry's size, pass a percentage such as '5%', or "
-            "let memento.scan measure the carry."
-        )
+    assert isinstance(budget, Percent)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
     a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
     return budget.share(max(t, 0) * max(a, 1), name=fn, what="every step's internal state")
@@ -526,7 +527,7 @@ def plan(
         the replay's ``SimulationResult.cost``, within both budgets.
 
     Raises:
-        TypeError: a size that is not an int (bools included), or memory in bytes.
+        TypeError: a size that is not an int (bools included) or, for memory, a percentage.
         ValueError: a size below 1, an unknown policy, alpha/beta where they do not apply
             or out of range, a budget below the policy's minimum, or a problem too large to
             plan in reasonable time (the message gives the estimate).
