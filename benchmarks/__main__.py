@@ -75,7 +75,9 @@ SUITES: dict[str, Suite] = {
         "trip_count.json",
     ),
     "storage": Suite(
-        "pool.py", "storing a step's residuals: memento.scan's typed pools against others", "pool.json"
+        "pool.py",
+        "storing a step's residuals: memento.scan's typed pools against others",
+        "pool.json",
     ),
     "rnn": Suite(
         "rnn.py", "an LSTM's gradient under a budget: memento.scan against its peers", "rnn.json"
@@ -106,10 +108,14 @@ SUITES: dict[str, Suite] = {
         "offload_plan.json",
     ),
     "host-copy": Suite(
-        "host_copy.py", "time to copy one slot between the device and pinned host memory", "host_copy.json"
+        "host_copy.py",
+        "time to copy one slot between the device and pinned host memory",
+        "host_copy.json",
     ),
     "device-budget": Suite(
-        "device_budget.py", "device bytes of a two-level plan against its budget", "device_budget.json"
+        "device_budget.py",
+        "device bytes of a two-level plan against its budget",
+        "device_budget.json",
     ),
     "device-budget-by-carry": Suite(
         "device_budget_by_carry.py",
@@ -146,7 +152,10 @@ SUITES: dict[str, Suite] = {
         needs="8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)",
     ),
     "gpu-rnn": Suite(
-        "gpu_rnn.py", "an LSTM's gradient on a GPU: device memory and time", "gpu/gpu_rnn.json", needs="GPU"
+        "gpu_rnn.py",
+        "an LSTM's gradient on a GPU: device memory and time",
+        "gpu/gpu_rnn.json",
+        needs="GPU",
     ),
     "gpu-policy": Suite(
         "gpu_policy.py",

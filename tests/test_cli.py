@@ -125,7 +125,11 @@ def test_plan_memory_in_bytes(capsys):
     assert code == 0
     assert "1000 steps, 128 slots = 5MiB in 40960-byte carries (a slot" in out
     code, _, err = run(capsys, *argv)
-    assert code == 2 and "--memory 5MiB is a size in bytes; plans count slots of one carry, so give the carry's size too (--carry-bytes 4KiB, say)" in err
+    assert (
+        code == 2
+        and "--memory 5MiB is a size in bytes; plans count slots of one carry, so give the carry's size too (--carry-bytes 4KiB, say)"
+        in err
+    )
     code, _, err = run(capsys, *argv, "--carry-bytes", str(6 * 2**20))
     assert code == 2 and "cannot hold even one carry" in err
     code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "5", "--carry-bytes", "8")
@@ -342,7 +346,11 @@ def test_plan_percent_of_every_internal_state(capsys):
     code, out, _ = run(capsys, "plan", "--steps", "200", "--memory", "5%", "--alpha", "3")
     assert code == 0 and "200 steps, 30 slots" in out
     code, _, err = run(capsys, "plan", "--steps", "100", "--memory", "0.1%")
-    assert code == 2 and "of 100 slots (every step's internal state, --steps x --alpha) is less than one; pass at least '1%'" in err
+    assert (
+        code == 2
+        and "of 100 slots (every step's internal state, --steps x --alpha) is less than one; pass at least '1%'"
+        in err
+    )
     code, _, err = run(capsys, "plan", "--steps", "100", "--memory", "150%")
     assert code == 2 and "memory='150%' is outside (0%, 100%]" in err
 
@@ -353,7 +361,9 @@ def test_plan_sizes_with_units_everywhere(capsys):
         "--policy", "ism",
     )  # fmt: skip
     assert code == 0 and "1000 steps, 128 slots = 5MiB in 40960-byte carries" in out
-    code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "5MiB", "--carry-bytes", "4 apples")
+    code, _, err = run(
+        capsys, "plan", "--steps", "9", "--memory", "5MiB", "--carry-bytes", "4 apples"
+    )
     assert code == 2 and "argument --carry-bytes: '4 apples' is not a size in bytes" in err
     code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "1.5")
     assert code == 2 and "--memory 1.5 is not a whole number of slots" in err

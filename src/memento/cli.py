@@ -634,9 +634,10 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="the gradient of an LSTM under a memory budget (needs jax)",
         description="Compile the gradient of an LSTM over many steps with lax.scan, with"
-        " jax.checkpoint per step and with memento.scan at 5% and 25% of the memory of"
-        " storing every carry; print each one's memory, time, forward evaluations per step"
-        " and gradient error, and draw the schedule memento ran (with matplotlib).",
+        " jax.checkpoint per step and with memento.scan at memory=1%% and 5%% of what"
+        " storing every step takes; print each one's slots, memory, time, forward"
+        " evaluations per step and gradient error, explain the terms, and draw the"
+        " schedule memento ran (with matplotlib).",
     )
     p.add_argument(
         "--steps",

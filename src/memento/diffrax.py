@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from . import _needs_jax  # first: without jax, an ImportError naming the extra
+from . import _needs_jax  # noqa: F401  (first: without jax, an ImportError naming the extra)
 
 try:
     import diffrax

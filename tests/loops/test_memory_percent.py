@@ -48,7 +48,10 @@ def test_scan_hundred_percent_equals_the_store_everything_budget():
 
 
 def test_scan_percentage_too_small_names_the_least():
-    with pytest.raises(ValueError, match=r"memento.scan: memory='0.01%' of \d+ slots \(storing every step\) is less than one; pass at least"):
+    with pytest.raises(
+        ValueError,
+        match=r"memento.scan: memory='0.01%' of \d+ slots \(storing every step\) is less than one; pass at least",
+    ):
         jax.grad(loss)(C0, memento.scan, memory="0.01%")
 
 
@@ -67,7 +70,10 @@ def test_while_loop_percentage_of_max_steps():
     ref = jax.grad(f)(C0, max_steps=99, memory=None)
     got = jax.grad(f)(C0, max_steps=99, memory="10%")
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match=r"memento.while_loop: memory='10%' is a share of storing every carry, max_steps \+ 1 slots, so it needs max_steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"memento.while_loop: memory='10%' is a share of storing every carry, max_steps \+ 1 slots, so it needs max_steps",
+    ):
         f(C0, memory="10%")
 
 

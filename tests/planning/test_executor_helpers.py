@@ -6,8 +6,7 @@ import pytest
 
 import memento
 from memento import planning
-from memento.planning import internals
-from memento.planning import Op
+from memento.planning import Op, internals
 
 
 @pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])

@@ -42,7 +42,10 @@ def test_share_is_the_floor_computed_exactly():
 
 
 def test_share_below_one_slot_names_the_least_percentage():
-    with pytest.raises(ValueError, match=r"^f: memory='0.01%' of 1000 slots \(storing every step\) is less than one; pass at least '0.1%', or memory=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"^f: memory='0.01%' of 1000 slots \(storing every step\) is less than one; pass at least '0.1%', or memory=1",
+    ):
         to_slots(Percent(0.01), 8, name="f", need=1000)
 
 
@@ -74,15 +77,23 @@ def test_hsm_percentage_counts_carries():
 
 
 def test_plan_refuses_bytes_and_small_shares():
-    with pytest.raises(TypeError, match=r"memento.plan: memory must be an int, got '5MiB' \(str\); pass the budget in slots of one hidden state, e.g. 10, or a percentage such as '5%' \(plan counts slots: for bytes, divide by the carry's size\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"memento.plan: memory must be an int, got '5MiB' \(str\); pass the budget in slots of one hidden state, e.g. 10, or a percentage such as '5%' \(plan counts slots: for bytes, divide by the carry's size\)",
+    ):
         plan(100, "5MiB")
-    with pytest.raises(ValueError, match=r"memento.plan: memory='0.5%' of 100 slots \(every step's internal state\) is less than one; pass at least '1%'"):
+    with pytest.raises(
+        ValueError,
+        match=r"memento.plan: memory='0.5%' of 100 slots \(every step's internal state\) is less than one; pass at least '1%'",
+    ):
         plan(100, "0.5%")
 
 
 def test_layers_percentage_is_a_share_of_every_internal_state():
     flops, hidden, internal = [3.0, 1.0, 2.0], [8, 16, 8, 8], [40, 40, 24]
-    everything = plan_layers(flops, hidden, internal, parse_memory("100%", name="f"), "auto", name="f")
+    everything = plan_layers(
+        flops, hidden, internal, parse_memory("100%", name="f"), "auto", name="f"
+    )
     assert everything.budget_bytes == sum(internal)
     assert everything.evaluations().tolist() == [1, 1, 1]
     half = plan_layers(flops, hidden, internal, parse_memory("20%", name="f"), "auto", name="f")

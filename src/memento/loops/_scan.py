@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..planning import Policy, Schedule, plan
-from ..planning.internals import as_int, check_policy
 from ..planning._host import check_host
+from ..planning.internals import as_int, check_policy
 from . import _recursion
 from ._body import (
     Body,
@@ -30,10 +30,10 @@ from ._body import (
 from ._budget import (
     Bytes,
     Charges,
+    Percent,
     choose_policy,
     choose_schedule,
     internal_slots,
-    Percent,
     parse_memory,
     to_slots,
 )

@@ -559,7 +559,9 @@ def first_backward(actions: np.ndarray) -> int:
         (actions[:, 0] == Op.BACKWARD_FUSED) | (actions[:, 0] == Op.BACKWARD_INTERNAL)
     )
     if len(back) == 0:
-        raise ScheduleError("memento.planning.internals.first_backward: the rows back-propagate no step")
+        raise ScheduleError(
+            "memento.planning.internals.first_backward: the rows back-propagate no step"
+        )
     return int(back[0])
 
 
