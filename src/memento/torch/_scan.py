@@ -10,6 +10,7 @@ import torch
 
 from ..planning import Bytes, Charges, Policy, Schedule
 from ..planning.internals import (
+    Percent,
     check_policy,
     choose_schedule,
     internal_slots,
@@ -137,7 +138,9 @@ def _prepare(step, h0, xs, memory, policy, length, *, name: str = _NAME):
     return loop, h_leaves, h_tree, budget, policy, num_steps
 
 
-def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *, name: str):
+def _probe(
+    loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str
+):
     """Step 0 with grad, the tensors it closes over, alpha, and the schedule.
 
     The probe is step 0's evaluation in the first sweep (`Machine.pre`): the schedule's
