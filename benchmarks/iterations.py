@@ -12,7 +12,7 @@ from what each executor runs:
   entered once per step), and each advance's loop (k steps an iteration with
   ``unroll=k``, the rest one at a time);
 - recursion (`memento.loops._recursion`): its backward re-enacted in Python, push by
-  push with `memento.planning.hsm_split`: the outer loop, the segment loop, each
+  push with `memento.planning.internals.hsm_split`: the outer loop, the segment loop, each
   advance's loop and each split's search for its level.
 
 Each figure is per step of the scan: ``iterations`` (loop bodies run), ``entries``
@@ -39,7 +39,8 @@ import numpy as np
 
 import memento
 from memento.loops import _interpreter
-from memento.planning import Op, hsm_split
+from memento.planning import Op
+from memento.planning.internals import hsm_split
 
 MEMORY = 100
 CASES = (("hsm", "rows"), ("ism", "rows"), ("msm", "rows"), ("hsm", "recursion"))

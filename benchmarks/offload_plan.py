@@ -44,7 +44,7 @@ def sweep(t, budgets, host, costs, policy="hsm", alpha=1, replay=()):
     h = None if host == math.inf else host
     d = max(budgets) - 1
     for c in costs:
-        ch = _host.Charges.of(c, c, alpha, "step")
+        ch = _host.TransferCharges.of(c, c, alpha, "step")
         start = time.perf_counter()
         table, _, _ = _host.host_tables(t, d, h, alpha, alpha, policy == "msm", ch)
         seconds = time.perf_counter() - start

@@ -144,7 +144,7 @@ def bench(steps, batch, hidden, fractions, repeats, device="cpu"):
                 slots=s.memory,
                 cost_per_step=s.cost / steps,
                 # one torch.autograd.grad per run of backward steps
-                grad_calls=int(steps - memento.planning.backward_runs(s).sum()),
+                grad_calls=int(steps - memento.planning.internals.backward_runs(s).sum()),
             )
     times = warm_round_robin(
         {n: torch_synced(lambda c=c: (zero(), c()), device) for n, c in calls.items()}, repeats

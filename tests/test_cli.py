@@ -125,7 +125,11 @@ def test_plan_memory_in_bytes(capsys):
     assert code == 0
     assert "1000 steps, 128 slots = 5MiB in 40960-byte carries (a slot" in out
     code, _, err = run(capsys, *argv)
-    assert code == 2 and "give --carry-bytes" in err
+    assert (
+        code == 2
+        and "--memory 5MiB is a size in bytes; plans count slots of one carry, so give the carry's size too (--carry-bytes 4KiB, say)"
+        in err
+    )
     code, _, err = run(capsys, *argv, "--carry-bytes", str(6 * 2**20))
     assert code == 2 and "cannot hold even one carry" in err
     code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "5", "--carry-bytes", "8")
@@ -313,7 +317,10 @@ def test_plan_two_level_json(capsys):
     "argv, message",
     [
         (["--transfer-cost", "2"], "--transfer-cost and --overlap apply with --host-memory"),
-        (["--host-memory", "x", "--transfer-cost", "2"], "a number of host slots or 'inf'"),
+        (
+            ["--host-memory", "x", "--transfer-cost", "2"],
+            "--host-memory 'x' is not a number of slots, a percentage such as 5%, or a size",
+        ),
         (["--host-memory", "4"], "host_memory=4 needs transfer_cost"),
         (["--host-memory", "4", "--transfer-cost", "a,b"], "a number or WRITE,READ"),
         (["--host-memory", "4", "--transfer-cost", "-1"], "transfer_cost must be finite and >= 0"),
@@ -327,3 +334,64 @@ def test_plan_two_level_json(capsys):
 def test_plan_two_level_bad_values(capsys, argv, message):
     code, out, err = run(capsys, "plan", "--steps", "30", "--memory", "3", *argv)
     assert code == 2 and out == "" and message in err
+
+
+def test_plan_percent_of_every_internal_state(capsys):
+    # 1% of 10000 steps' internal states (alpha 1): 100 slots, as memento.plan reads it.
+    code, out, err = run(capsys, "plan", "--steps", "10000", "--memory", "1%", "--json")
+    assert code == 0 and err == ""
+    record = json.loads(out)
+    assert record["budget"] == 100 == memento.plan(10000, "1%").memory
+    assert record["cost"] == memento.plan(10000, 100).cost
+    code, out, _ = run(capsys, "plan", "--steps", "200", "--memory", "5%", "--alpha", "3")
+    assert code == 0 and "200 steps, 30 slots" in out
+    code, _, err = run(capsys, "plan", "--steps", "100", "--memory", "0.1%")
+    assert (
+        code == 2
+        and "of 100 slots (every step's internal state, --steps x --alpha) is less than one; pass at least '1%'"
+        in err
+    )
+    code, _, err = run(capsys, "plan", "--steps", "100", "--memory", "150%")
+    assert code == 2 and "memory='150%' is outside (0%, 100%]" in err
+
+
+def test_plan_sizes_with_units_everywhere(capsys):
+    code, out, _ = run(
+        capsys, "plan", "--steps", "1000", "--memory", "5MiB", "--carry-bytes", "40KiB",
+        "--policy", "ism",
+    )  # fmt: skip
+    assert code == 0 and "1000 steps, 128 slots = 5MiB in 40960-byte carries" in out
+    code, _, err = run(
+        capsys, "plan", "--steps", "9", "--memory", "5MiB", "--carry-bytes", "4 apples"
+    )
+    assert code == 2 and "argument --carry-bytes: '4 apples' is not a size in bytes" in err
+    code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "1.5")
+    assert code == 2 and "--memory 1.5 is not a whole number of slots" in err
+    code, _, err = run(capsys, "plan", "--steps", "9", "--memory", "5%", "--carry-bytes", "8")
+    assert code == 2 and "--memory 5% is already a percentage: drop --carry-bytes" in err
+    argv = ["plan", "--steps", "100", "--memory", "10", "--transfer-cost", "1", "--json"]
+    code, out, _ = run(capsys, *argv, "--host-memory", "1MiB", "--carry-bytes", "64KiB")
+    assert code == 0 and json.loads(out)["host_memory"] == 16
+    code, out, _ = run(capsys, *argv, "--host-memory", "5%")
+    assert code == 0 and json.loads(out)["host_memory"] == 5
+
+
+@pytest.mark.parametrize(("policy", "alpha"), [("HSM", []), ("Ism", []), ("MSM", ["--alpha", "2"])])
+def test_policy_in_any_case(capsys, policy, alpha):
+    code, out, _ = run(capsys, "plan", "--steps", "50", "--memory", "6", *alpha,
+                       "--policy", policy, "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["policy"] == policy.lower()
+
+
+def test_closed_pipe_exits_quietly():
+    # `memento plan ... | head`: the reader is gone before the output is written.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memento", "plan-chain", "--costs", ",".join(["1"] * 400),
+         "--hidden", ",".join(["1"] * 401), "--internal", ",".join(["3"] * 400),
+         "--memory", "20", "--rows"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0
+    assert err == ""

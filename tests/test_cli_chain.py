@@ -43,7 +43,26 @@ def test_plan_chain_errors(capsys, tmp_path):
     code, _, err = run(capsys, "plan-chain", "--costs", "1,2")
     assert code == 2 and "give --hidden, --internal, --memory (or --json FILE)" in err
     code, _, err = run(capsys, "plan-chain", *CHAIN[:-1], "5MiB")
-    assert code == 2 and "--memory must be comma-separated integers, got '5MiB'" in err
+    assert (
+        code == 2
+        and "--memory must be an integer in the unit of --hidden and --internal, or a percentage of their sum such as 50%; got '5MiB'"
+        in err
+    )
+    code, out, _ = run(capsys, "plan-chain", *CHAIN[:-1], "50%")
+    assert code == 0 and "memory 5 units" in out
+    code, _, err = run(
+        capsys,
+        "plan-chain",
+        "--costs",
+        "1,2",
+        "--hidden",
+        "1,1,2",
+        "--internal",
+        "3",
+        "--memory",
+        "3",
+    )
+    assert code == 2 and "--internal must have 2 entries, got 1" in err
     code, _, err = run(capsys, "plan-chain", *CHAIN[:-1], "0")
     assert code == 2 and "memento.plan_chain: memory=0 is below the minimum" in err
     path = tmp_path / "bad.json"

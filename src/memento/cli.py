@@ -3,7 +3,8 @@
 Thin by design: it parses arguments, calls the library and prints. Examples::
 
     memento plan --steps 1000 --memory 50 --policy ism
-    memento plan --steps 4096 --memory 5MiB --carry-bytes 4096 --alpha 9
+    memento plan --steps 10000 --memory 1%
+    memento plan --steps 4096 --memory 5MiB --carry-bytes 4KiB --alpha 9
     memento plan --steps 1000 --memory 250 --policy msm --alpha 5 --json
     memento plan --steps 1000 --memory 10 --host-memory inf --transfer-cost 2
     memento plan --steps 40 --memory 4 --policy hsm --plot schedule.png
@@ -13,7 +14,8 @@ Thin by design: it parses arguments, calls the library and prints. Examples::
     memento demo --quick
 
 Bad values exit with status 2 and the library's message on stderr; a missing optional
-dependency exits with status 1 and the ``pip install`` that adds it. Progress of long
+dependency exits with status 1 and the ``pip install`` that adds it; a reader that stops
+early (``| head``) ends the command quietly, with status 0. Progress of long
 commands goes to stderr, so stdout stays the result.
 """
 
@@ -23,6 +25,8 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
+import re
 import sys
 import time
 import typing
@@ -87,25 +91,85 @@ def _missing(error: ModuleNotFoundError) -> str | None:
     return f'needs {root}, which is not installed: pip install "memento-jax[{_EXTRAS[root]}]"'
 
 
-def _slots(args) -> int:
-    """``--memory`` in slots: a plain number, or bytes divided by ``--carry-bytes``."""
-    if args.memory.isdigit():
-        if args.carry_bytes is not None:
-            raise ValueError(
-                f"--carry-bytes applies to a --memory in bytes such as '5MiB'; "
-                f"--memory {args.memory} is already a number of slots."
-            )
-        return int(args.memory)
-    if args.carry_bytes is None:
-        raise ValueError(
-            f"--memory {args.memory!r} is a size in bytes: give --carry-bytes (the bytes of "
-            "one carry, one slot) to turn it into slots, or pass a number of slots."
-        )
-    # memento.scan's own reading of sizes (NumPy only, but its package imports jax).
-    from .loops import parse_memory, to_slots
+def _size(text: str) -> int:
+    """An argparse type: a byte count, bare (``4096``) or with a unit (``4KiB``, ``1.5MB``)."""
+    from .planning.internals import parse_size
 
-    name = "memento plan --memory"
-    return to_slots(parse_memory(args.memory, name=name), args.carry_bytes, name=name)
+    num_bytes = parse_size(text)
+    if num_bytes is None or num_bytes < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size in bytes; write a number of bytes such as 4096, or one "
+            "with a unit such as 4KiB or 1.5MB"
+        )
+    return num_bytes
+
+
+def _lower(text: str) -> str:
+    """An argparse type: choices in any case (``--policy HSM``)."""
+    return text.strip().lower()
+
+
+def _budget(text: str, flag: str, *, carry_bytes: int | None, need: int, what: str) -> int:
+    """``text`` (slots, a size with ``--carry-bytes``, or a percentage of ``need``) in slots."""
+    from .planning import Bytes
+    from .planning.internals import Percent, parse_memory, parse_size, to_slots
+
+    name = flag
+    if re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text):
+        raise ValueError(
+            f"{flag} {text} is not a whole number of slots; pass an integer, a percentage "
+            "such as 5%, or a size such as 5MiB with --carry-bytes."
+        )
+    if text.strip().isdigit():
+        return int(text)  # the planner reports a budget too small for its policy
+    if "%" not in text and parse_size(text) is None:
+        raise ValueError(
+            f"{flag} {text!r} is not a number of slots, a percentage such as 5%, or a size "
+            "such as 5MiB (with --carry-bytes)."
+        )
+    budget = parse_memory(text, name=name)
+    if isinstance(budget, Bytes):
+        if carry_bytes is None:
+            raise ValueError(
+                f"{flag} {text} is a size in bytes; plans count slots of one carry, so give "
+                "the carry's size too (--carry-bytes 4KiB, say), or pass a number of slots "
+                "or a percentage such as 5%."
+            )
+        return to_slots(budget, carry_bytes, name=name)
+    if isinstance(budget, Percent):
+        return budget.share(need, name=name, what=what)
+    return budget
+
+
+def _in_bytes(text: str | None) -> bool:
+    from .planning.internals import parse_size
+
+    return text is not None and not text.strip().isdigit() and parse_size(text) is not None
+
+
+def _kind(text: str) -> str:
+    return "a percentage" if "%" in text else "a number of slots"
+
+
+def _slots(args) -> int:
+    """``--memory`` in slots: a number, bytes over ``--carry-bytes``, or a percentage of
+    every step's internal state (``--steps`` times ``--alpha``, as `memento.plan`)."""
+    alpha = 1 if args.alpha is None else args.alpha
+    if args.carry_bytes is not None and not any(
+        _in_bytes(text) for text in (args.memory, args.host_memory)
+    ):
+        raise ValueError(
+            f"--carry-bytes turns a size in bytes such as 5MiB into slots; --memory "
+            f"{args.memory} is already {_kind(args.memory)}: drop --carry-bytes, or give "
+            "--memory in bytes."
+        )
+    return _budget(
+        args.memory,
+        "--memory",
+        carry_bytes=args.carry_bytes,
+        need=max(args.steps, 0) * max(alpha, 1),
+        what="every step's internal state, --steps x --alpha",
+    )
 
 
 def _schedule(args, slots: int):
@@ -148,8 +212,12 @@ def _host_args(args) -> dict[str, typing.Any]:
     elif text.isdigit():
         host = int(text)
     else:
-        raise ValueError(
-            f"--host-memory must be a number of host slots or 'inf', got {args.host_memory!r}"
+        host = _budget(
+            args.host_memory,
+            "--host-memory",
+            carry_bytes=args.carry_bytes,
+            need=max(args.steps, 0) * max(args.alpha or 1, 1),
+            what="every step's internal state, --steps x --alpha",
         )
     cost = None
     if args.transfer_cost is not None:
@@ -341,11 +409,31 @@ def _chain_problem(args) -> dict:
     missing = [f"--{f}" for f in flags if getattr(args, f) is None]
     if missing:
         raise ValueError(f"give {', '.join(missing)} (or --json FILE)")
+    internal = _ints(args.internal, "--internal")
+    memory = args.memory.strip()
+    if memory.endswith("%"):  # a share of every internal state, in the same unit
+        from .planning.internals import Percent, parse_memory
+
+        budget = parse_memory(memory, name="memento plan-chain --memory")
+        assert isinstance(budget, Percent)
+        units = budget.share(
+            sum(internal),
+            name="memento plan-chain --memory",
+            what="every layer's internal state, the sum of --internal",
+            unit="units",
+        )
+    elif memory.isdigit():
+        units = int(memory)
+    else:
+        raise ValueError(
+            f"--memory must be an integer in the unit of --hidden and --internal, or a "
+            f"percentage of their sum such as 50%; got {args.memory!r}"
+        )
     return {
         "costs": _ints(args.costs, "--costs"),
         "hidden": _ints(args.hidden, "--hidden"),
-        "internal": _ints(args.internal, "--internal"),
-        "memory": _ints(args.memory, "--memory")[0],
+        "internal": internal,
+        "memory": units,
     }
 
 
@@ -353,13 +441,18 @@ def _plan_chain(args) -> int:
     from .planning import Op, plan_chain
 
     problem = _chain_problem(args)
-    schedule = plan_chain(
-        problem["costs"],
-        problem["hidden"],
-        problem["internal"],
-        problem["memory"],
-        internal=args.policy != "hsm",
-    )
+    try:
+        schedule = plan_chain(
+            problem["costs"],
+            problem["hidden"],
+            problem["internal"],
+            problem["memory"],
+            internal=args.policy != "hsm",
+        )
+    except ValueError as e:  # the library's argument names, as the flags that gave them
+        flags = {"internal_sizes": "--internal", "hidden_sizes": "--hidden"}
+        text = re.sub(r"\b(internal_sizes|hidden_sizes)\b", lambda m: flags[m[1]], str(e))
+        raise ValueError(text) from None
     replay = schedule.simulate()
     n = schedule.num_steps
     print(
@@ -429,18 +522,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory",
         required=True,
-        help="budget m: a number of slots (one slot holds one carry), or bytes such as"
-        " '5MiB' together with --carry-bytes",
+        help="budget m: a number of slots (one slot holds one carry), a percentage such as"
+        " 5%% of storing every step's internal state (steps x alpha slots), or bytes such"
+        " as 5MiB together with --carry-bytes",
     )
     p.add_argument(
         "--carry-bytes",
-        type=int,
-        metavar="N",
-        help="bytes of one carry (one slot), to read --memory in bytes",
+        type=_size,
+        metavar="SIZE",
+        help="bytes of one carry (one slot), such as 4096 or 4KiB, to read --memory in bytes",
     )
     p.add_argument(
         "--policy",
         default="auto",
+        type=_lower,
         choices=typing.get_args(Policy),
         help="auto (default, as memento.scan: the least predicted work of the three),"
         " hsm (hidden states only), ism (internal states only) or msm (mixed)",
@@ -467,7 +562,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-memory",
         metavar="H",
-        help="a second level: host slots ('inf': unbounded); plans hsm or msm on both levels",
+        help="a second level: host slots ('inf': unbounded; a percentage or a size as"
+        " --memory); plans hsm or msm on both levels",
     )
     p.add_argument(
         "--transfer-cost",
@@ -477,6 +573,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overlap",
         choices=("step", "none"),
+        type=_lower,
         default="step",
         help="with --host-memory: a copy hides behind one step of compute (step, default) or"
         " adds in full (none)",
@@ -493,7 +590,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", metavar="U0,U1,...", help="forward cost of each of the n layers")
     p.add_argument("--hidden", metavar="S0,...,Sn", help="sizes of the n + 1 hidden states")
     p.add_argument("--internal", metavar="I0,I1,...", help="sizes of the n internal states")
-    p.add_argument("--memory", metavar="M", help="the budget, in the same unit")
+    p.add_argument(
+        "--memory",
+        metavar="M",
+        help="the budget, in the same unit, or a percentage of the sum of --internal (50%%)",
+    )
     p.add_argument(
         "--json",
         metavar="FILE",
@@ -503,6 +604,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="auto",
+        type=_lower,
         choices=("auto", "hsm", "msm"),
         help="auto or msm (hidden or internal states, the same), hsm (hidden states only)",
     )
@@ -532,9 +634,10 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="the gradient of an LSTM under a memory budget (needs jax)",
         description="Compile the gradient of an LSTM over many steps with lax.scan, with"
-        " jax.checkpoint per step and with memento.scan at 5% and 25% of the memory of"
-        " storing every carry; print each one's memory, time, forward evaluations per step"
-        " and gradient error, and draw the schedule memento ran (with matplotlib).",
+        " jax.checkpoint per step and with memento.scan at memory=1%% and 5%% of what"
+        " storing every step takes; print each one's slots, memory, time, forward"
+        " evaluations per step and gradient error, explain the terms, and draw the"
+        " schedule memento ran (with matplotlib).",
     )
     p.add_argument(
         "--steps",
@@ -572,6 +675,12 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        # The reader stopped early (``memento plan ... | head``): that is not an error.
+        # Point stdout at /dev/null so that the interpreter's final flush fails quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except ModuleNotFoundError as e:
         hint = _missing(e)
         if hint is None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+from . import _needs_jax  # noqa: F401  (first: without jax, an ImportError naming the extra)
+
 try:
     import diffrax
 except ImportError as e:  # pragma: no cover - exercised only without diffrax

@@ -93,7 +93,9 @@ def test_auto_charges_the_rows_by_backend():
     # with executor="auto", never with the executor forced (then every policy runs as
     # forced), and on CPU below 2^16 steps HSM runs on the rows too.
     gpu = _scan.auto_charges(1000, "auto", "gpu")
-    assert gpu.rows_step == 1.25 and gpu.internal == memento.planning.INTERNAL_STATE_CHARGE
+    assert (
+        gpu.rows_step == 1.25 and gpu.internal == memento.planning.internals.INTERNAL_STATE_CHARGE
+    )
     for args in [(1000, "rows", "gpu"), (1000, "recursion", "gpu"), (1000, "auto", "cpu"),
                  (2**16, "auto", "cpu"), (1000, "auto", "tpu")]:  # fmt: skip
         assert _scan.auto_charges(*args).rows_step == 0, args

@@ -31,6 +31,7 @@ from test_while_loop import (  # noqa: F401 (x64: float64, autouse)
 
 import memento
 from memento import planning
+from memento.planning import internals
 
 MAX = 12
 
@@ -125,7 +126,7 @@ def test_a_host_that_keeps_every_carry_costs_2n_by_the_policy_too():
             for cap in (n, 40, None):
                 kw = {} if cap is None else {"cap": cap}
                 events = planning.online_events(host + 1, **kw)
-                ps = [*planning.checkpoints_at(events, n), n]
+                ps = [*internals.checkpoints_at(events, n), n]
                 assert ps == list(range(n + 1)), (host, n, cap)  # every carry kept
                 assert planning.online_evaluations(3, n, host_memory=host, **kw) == 2 * n
 

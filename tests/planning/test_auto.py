@@ -3,14 +3,8 @@
 import pytest
 
 import memento
-from memento.planning import (
-    INTERNAL_STATE_CHARGE,
-    Charges,
-    auto_policy,
-    plan,
-    plan_estimate,
-    predicted_work,
-)
+from memento.planning import Charges, plan, plan_estimate, predicted_work
+from memento.planning.internals import INTERNAL_STATE_CHARGE, auto_policy
 
 
 @pytest.mark.parametrize("t", [1, 2, 7, 30, 120])

@@ -30,7 +30,7 @@ def _replays(schedule, memory):
     # The planner counts its peak from the rows (no replay): it must be the replay's.
     assert schedule.peak_memory == result.peak_memory
     # Stack depths (what executors lay out their slots from) against a plain replay.
-    nh, ni = memento.planning.stack_depths(schedule.actions)
+    nh, ni = memento.planning.internals.stack_depths(schedule.actions)
     exp_h, exp_i = _replayed_depths(schedule.actions)
     np.testing.assert_array_equal(nh, exp_h)
     np.testing.assert_array_equal(ni, exp_i)
@@ -64,7 +64,7 @@ def test_stack_depths_refuses_out_of_stack_order():
         (Op.FREE_HIDDEN, 0, 0), (Op.ADVANCE, 1, 1), (Op.BACKWARD_FUSED, 0, 2),
     ]  # fmt: skip
     with pytest.raises(ValueError, match=r"stack_depths: row 3 .* out of stack order"):
-        memento.planning.stack_depths(np.array(rows))
+        memento.planning.internals.stack_depths(np.array(rows))
 
 
 # ------------------------------------------------------------------- closed forms

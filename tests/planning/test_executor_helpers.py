@@ -6,7 +6,7 @@ import pytest
 
 import memento
 from memento import planning
-from memento.planning import Op
+from memento.planning import Op, internals
 
 
 @pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
@@ -16,7 +16,7 @@ def test_step_evaluations_sum_to_cost_and_first_backward_ends_the_sweep(policy, 
         s = memento.plan(t, m, policy=policy, alpha=None if policy == "hsm" else 3)
         counts = planning.step_evaluations(s)
         assert counts.sum() == s.cost and (counts >= 1).all() and counts[-1] == 1
-        first = planning.first_backward(s.actions)
+        first = internals.first_backward(s.actions)
         assert first == s.simulate().sweep_length
         assert s.actions[first, 0] in (Op.BACKWARD_FUSED, Op.BACKWARD_INTERNAL)
         sweep = s.actions[:first]
@@ -33,7 +33,7 @@ def test_step_evaluations_brute_force_and_first_backward_error():
             brute[pos] += 1
     assert planning.step_evaluations(s).tolist() == brute.tolist()
     with pytest.raises(planning.ScheduleError, match="back-propagate no step"):
-        planning.first_backward(np.array([[Op.ADVANCE, 1, 0]]))
+        internals.first_backward(np.array([[Op.ADVANCE, 1, 0]]))
 
 
 def test_plan_chain_bytes_fits_the_byte_budget():
@@ -41,25 +41,25 @@ def test_plan_chain_bytes_fits_the_byte_budget():
     hidden = [4096, 16384, 16384, 1024, 64]
     internal = [40000, 40000, 20000, 3000]
     for budget in [4096, 10000, 30000, 10**9]:
-        s, unit = planning.plan_chain_bytes(costs, hidden, internal, budget)
+        s, unit = internals.plan_chain_bytes(costs, hidden, internal, budget)
         s.simulate()
         # Sizes round up to units, the budget down; only h_0's own rounding may exceed it.
         floor = s.hidden_sizes[0] * unit
         assert s.memory * unit <= max(budget, floor) and s.peak_memory <= s.memory
-    everything, _ = planning.plan_chain_bytes(costs, hidden, internal, 10**9)
+    everything, _ = internals.plan_chain_bytes(costs, hidden, internal, 10**9)
     assert planning.step_evaluations(everything).tolist() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="cannot hold the input x_0 \\(4096 bytes\\)"):
-        planning.plan_chain_bytes(costs, hidden, internal, 4000, name="f")
+        internals.plan_chain_bytes(costs, hidden, internal, 4000, name="f")
 
 
 def test_budget_helpers():
-    assert planning.parse_memory("1.5KiB", name="f") == planning.Bytes(1536)
-    assert planning.parse_memory(7, name="f") == 7
-    assert planning.to_slots(planning.bytes_budget(100), 32, name="f") == 3
-    assert planning.internal_slots(40, 32) == 3
+    assert internals.parse_memory("1.5KiB", name="f") == planning.Bytes(1536)
+    assert internals.parse_memory(7, name="f") == 7
+    assert internals.to_slots(planning.bytes_budget(100), 32, name="f") == 3
+    assert internals.internal_slots(40, 32) == 3
     with pytest.raises(ValueError, match="cannot hold even one carry of 64 bytes"):
-        planning.to_slots(planning.Bytes(10), 64, name="f")
-    s = planning.choose_schedule(50, 6, 3, "auto", name="f")
+        internals.to_slots(planning.Bytes(10), 64, name="f")
+    s = internals.choose_schedule(50, 6, 3, "auto", name="f")
     assert s.memory == 6 and s.policy in ("hsm", "ism", "msm")
 
 
@@ -71,7 +71,7 @@ def test_backward_runs_marks_steps_recorded_on_the_one_back_propagated_next(poli
     free = (Op.FREE_HIDDEN, Op.FREE_INTERNAL)
     for m in (3, 5, 40, 10**6):
         s = memento.plan(t, min(m, 3 * t + 1), policy=policy, alpha=None if policy == "hsm" else 3)
-        marks = planning.backward_runs(s)
+        marks = internals.backward_runs(s)
         rows = s.actions.tolist()
         cur, slots, starts, used = None, {}, {}, {}  # used: record row -> its backward row
         for i, (op, arg, _) in enumerate(rows):

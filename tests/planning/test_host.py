@@ -72,7 +72,7 @@ def test_the_table_is_what_the_schedule_costs():
         for host in (3, math.inf):
             s = _plan(60, 4, policy, alpha, host_memory=host, transfer_cost=(1.7, 0.6))
             h = None if host == math.inf else host
-            ch = _host.Charges.of(1.7, 0.6, alpha or 1, "step")
+            ch = _host.TransferCharges.of(1.7, 0.6, alpha or 1, "step")
             c, _, _ = _host.host_tables(60, 3, h, alpha or 1, alpha or 1, policy == "msm", ch)
             assert math.isclose(c[0, 60, 3, 0 if h is None else h], s.cost)
 
@@ -90,7 +90,7 @@ def test_equals_disk_revolve_with_additive_costs():
     for cm in (1, 2, 3, 5):
         for wd, rd in ((0.5, 0.5), (2.0, 3.0), (5.0, 1.0), (0.0, 0.0)):
             theirs = disk.get_opt_inf_table(L, cm, 1, 1, rd, wd, False)
-            ch = _host.Charges.of(wd, rd, 1, "none")
+            ch = _host.TransferCharges.of(wd, rd, 1, "none")
             c, _, _ = _host.host_tables(L + 1, cm, None, 1, 1, False, ch)
             for t in range(1, L + 2):
                 ours = min(c[0, t, cm - 1, 0], wd + c[1, t, cm, 0])
@@ -105,7 +105,7 @@ def test_equals_h_revolve_with_two_levels():
     for c0, c1 in ((1, 1), (2, 2), (3, 4), (2, 6)):
         for w, r in ((0.5, 0.5), (2.0, 3.0), (5.0, 1.0)):
             _, opt = hrev.get_hopt_table(L, (c0, c1), (0, w), (0, r), 1, 1)
-            ch = _host.Charges.of(w, r, 1, "none")
+            ch = _host.TransferCharges.of(w, r, 1, "none")
             c, _, _ = _host.host_tables(L + 1, c0, c1, 1, 1, False, ch)
             for t in range(1, L + 2):
                 ours = min(c[0, t, c0 - 1, c1], w + c[1, t, c0, c1 - 1])
@@ -131,7 +131,7 @@ def test_no_host_memory_is_todays_plan(policy, alpha, beta):
 
 @pytest.mark.parametrize("alpha, beta", [(1, 1), (2, 1), (3, 3), (5, 2)])
 def test_zero_host_slots_is_the_one_level_recursion(alpha, beta):
-    ch = _host.Charges.of(1.0, 1.0, alpha, "step")
+    ch = _host.TransferCharges.of(1.0, 1.0, alpha, "step")
     T, M = 60, 12
     c, _, _ = _host.host_tables(T, M - 1, 0, alpha, beta, True, ch)
     full, _, _ = _msm.msm_tables_full(T, M, alpha, beta)
@@ -246,7 +246,7 @@ def test_stack_depths_refuses_host_rows():
     s = _plan(30, 3, host_memory=math.inf, transfer_cost=0.5)
     assert (s.actions[:, 0] >= Op.HOST_SAVE_HIDDEN).any()
     with pytest.raises(NotImplementedError, match=r"stack_depths: row \d+ .* host-memory row"):
-        memento.planning.stack_depths(s.actions)
+        memento.planning.internals.stack_depths(s.actions)
     ex = s.executable()
     assert not np.isin(ex[:, 0], (Op.HOST_FREE_HIDDEN, Op.HOST_FREE_INTERNAL, Op.FREE_HIDDEN)).any()
 
@@ -295,7 +295,7 @@ def _depths_oracle(actions):
 def test_two_level_depths_match_a_stack_per_level(t, m, host, policy, cost):
     alpha = 2 if policy == "msm" else None
     s = _plan(t, m, policy=policy, alpha=alpha, host_memory=host, transfer_cost=cost)
-    on_host, nh, ni = memento.planning.two_level_depths(s.actions)
+    on_host, nh, ni = memento.planning.internals.two_level_depths(s.actions)
     expected = _depths_oracle(s.actions)
     np.testing.assert_array_equal(np.stack([on_host, nh, ni], axis=1), expected)
 
@@ -306,7 +306,7 @@ def test_two_level_depths_refuses_a_release_out_of_order():
         (Op.HOST_FREE_HIDDEN, 0, 0),
     ]  # fmt: skip
     with pytest.raises(ScheduleError, match=r"two_level_depths: row 3 .* out of stack order"):
-        memento.planning.two_level_depths(np.array(rows))
+        memento.planning.internals.two_level_depths(np.array(rows))
 
 
 # --------------------------------------------------------------------------- errors

@@ -181,7 +181,7 @@ def test_runs_of_backward_steps_are_one_autograd_call(policy, monkeypatch):
     alpha = mt.scan_schedule(step, h0, xs, memory=1, policy="msm").alpha
     for memory in [alpha, 2 * alpha + 1, 6 * alpha, 40 * alpha + 1]:
         s = mt.scan_schedule(step, h0, xs, memory=memory, policy=policy)
-        marks = memento.planning.backward_runs(s)
+        marks = memento.planning.internals.backward_runs(s)
         if memory == 40 * alpha + 1:
             assert marks.sum() == 39  # everything stored: a single reverse pass
         calls.update(step=0, grad=0)
@@ -446,8 +446,8 @@ def test_auto_charges_nothing_for_a_kept_graph():
     s = mt.scan_schedule(step, h0, xs, memory=1779)
     assert s.alpha == 9 and s.memory == 1779
     assert s.policy == "ism"
-    runs = 1000 - int(memento.planning.backward_runs(s).sum())
+    runs = 1000 - int(memento.planning.internals.backward_runs(s).sum())
     assert runs < 10 and s.cost < 2 * 1000 - 1  # HSM's: 1,999 evaluations, 1,000 runs
     # JAX's executors copy internal states to a pool: the same planner charges for it.
-    jax_pick = memento.planning.choose_schedule(1000, 1779, 9, "auto", name="t")
+    jax_pick = memento.planning.internals.choose_schedule(1000, 1779, 9, "auto", name="t")
     assert jax_pick.policy == "hsm"

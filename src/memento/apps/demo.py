@@ -3,9 +3,10 @@
 What a new user sees first. One LSTM (input = hidden = H, batch B) with a loss on every
 step's output; its gradient is compiled and timed with ``lax.scan`` (stores every step),
 with ``jax.checkpoint`` on the step (stores every carry, recomputes each step once), and
-with `memento.scan` at a few memory budgets. For each: XLA's temporary memory, the median
-time, the number of forward step evaluations, and how far the gradient is from
-``lax.scan``'s. Then the schedule of the smallest budget is drawn.
+with `memento.scan` at ``memory="1%"`` and ``"5%"`` (of what storing every step takes).
+For each: the slots kept, XLA's temporary memory, the median time, the number of forward
+step evaluations, and how far the gradient is from ``lax.scan``'s; then what each term
+means, the schedule of the smallest budget drawn, and the line to try on one's own loop.
 
 The LSTM and the helpers here are reused by ``benchmarks/rnn.py``.
 """
@@ -27,11 +28,13 @@ from jax import lax
 
 from ..loops import scan, scan_schedule
 from ..planning import Schedule
+from ..planning.internals import Percent, parse_memory
 
 # (steps, hidden, batch). The default takes about a minute on two busy CPU cores.
 DEMO_SIZE = (4096, 32, 16)
 QUICK_SIZE = (64, 8, 2)
-DEMO_FRACTIONS = (0.05, 0.25)
+# memento.scan's budgets: shares of what storing every step takes (T x alpha slots).
+DEMO_BUDGETS = ("1%", "5%")
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,16 +202,25 @@ def main(args) -> int:
             2 * num_steps,
         ),
     ]
+    alpha = measured_alpha(lstm_step, *data)
     schedules = {}
-    for fraction in DEMO_FRACTIONS:
-        slots = memory_slots(fraction, num_steps)
-        schedule = schedule_for(lstm_step, *data, slots)
-        schedules[fraction] = schedule
+    for budget in DEMO_BUDGETS:
+        percent = parse_memory(budget, name="memento demo")
+        assert isinstance(percent, Percent)
+        least = math.ceil(100 / (percent.percent * alpha))
+        if num_steps < least:
+            raise ValueError(
+                f"memento demo: --steps {num_steps} is too short for memory={budget!r} to "
+                f"hold one slot ({budget} of T x alpha = {num_steps} x {alpha} slots); use "
+                f"--steps {least} or more."
+            )
+        schedule = schedule_for(lstm_step, *data, budget)
+        schedules[budget] = schedule
 
-        def loop(f, init, xs, slots=slots):
-            return scan(f, init, xs, memory=slots)
+        def loop(f, init, xs, budget=budget):
+            return scan(f, init, xs, memory=budget)
 
-        label = f"memento.scan, memory={slots} ({fraction:.0%} of T): {schedule.policy.upper()}"
+        label = f'memento.scan, memory="{budget}": {schedule.policy.upper()}'
         methods.append((label, scan_loss(loop), int(schedule.cost)))
 
     rows = []
@@ -217,12 +229,16 @@ def main(args) -> int:
         rows.append((label, _measure(loss, data, repeats), evaluations))
     reference = rows[0][1]
 
-    header = ("method", "memory", "time", "fwd evals/step", "grad error")
+    header = ("method", "slots", "memory", "time", "fwd evals/step", "grad error")
     table: list[tuple[str, ...]] = [header]
-    for label, m, evaluations in rows:
+    slots = [str(num_steps * alpha), str(num_steps)] + [
+        str(schedules[b].memory) for b in DEMO_BUDGETS
+    ]
+    for (label, m, evaluations), used in zip(rows, slots):
         table.append(
             (
                 label,
+                used,
                 f"{_size(m['temp_bytes'])}",
                 _duration(m["time_s"]),
                 f"{evaluations / num_steps:.2f}",
@@ -236,16 +252,10 @@ def main(args) -> int:
         print("  ".join(cells))
         if n == 0:
             print("  ".join("-" * w for w in widths))
-    alpha = measured_alpha(lstm_step, *data)
-    chosen = ", ".join(f"{schedules[f].policy.upper()} at {f:.0%}" for f in DEMO_FRACTIONS)
-    print(
-        "\nmemory: XLA's temporary buffers of the compiled gradient; grad error: max relative "
-        "difference from lax.scan's gradient.\n"
-        f"policy: memento.scan's default, 'auto', chose {chosen}; an LSTM step's residuals "
-        f"(its internal state) take alpha={alpha} carry-sized slots, as measured."
-    )
+    print()
+    print(_explain(num_steps, alpha, carry_bytes, schedules))
 
-    small = min(DEMO_FRACTIONS)
+    small = DEMO_BUDGETS[0]
     if importlib.util.find_spec("matplotlib") is None:  # the [plot] extra is optional
         print(
             '\n(no schedule picture: matplotlib is not installed; pip install "memento-jax[plot]")'
@@ -255,17 +265,60 @@ def main(args) -> int:
 
         out_dir.mkdir(parents=True, exist_ok=True)
         picture = out_dir / "schedule.png"
-        plot_schedule(schedules[small], picture)
-        print(f"\nschedule of memento.scan at {small:.0%} memory: {picture}")
+        schedule = schedules[small]
+        title = (
+            f'memento.scan, memory="{small}": {schedule.policy.upper()}, T={num_steps}, '
+            f"{schedule.memory} slots, {schedule.cost_per_step:.2f} forward evaluations per step"
+        )
+        plot_schedule(schedule, picture, title=title)
+        print(
+            f'\nschedule of memento.scan at memory="{small}" ({schedule.memory} slots): {picture}'
+        )
 
-    _, m_small, _ = rows[len(rows) - len(DEMO_FRACTIONS)]
+    _, m_small, _ = rows[len(rows) - len(DEMO_BUDGETS)]
     less = reference["temp_bytes"] / max(m_small["temp_bytes"], 1)
     slower = m_small["time_s"] / reference["time_s"]
     error = max_relative_error(m_small["grad"], reference["grad"])
     # float32: a different evaluation order may move the last bits, nothing more.
     agreement = "same gradient" if error < 1e-4 else f"gradient within {error:.0e}"
     print(
-        f"\nmemento.scan at {small:.0%} memory: {less:.0f}x less memory than lax.scan, "
+        f'\nmemento.scan at memory="{small}": {less:.0f}x less memory than lax.scan, '
         f"{slower:.1f}x its time, {agreement}."
     )
+    print(
+        '\nOn your own loop: carry, ys = memento.scan(step, h0, xs, memory="5%")'
+        "  # lax.scan's arguments; memory=None is lax.scan"
+    )
     return 0
+
+
+def _explain(num_steps: int, alpha: int, carry_bytes: int, schedules: dict) -> str:
+    """Every term of the table, once (the docs' Concepts page says more)."""
+    chosen = ", ".join(f'{s.policy.upper()} at "{b}"' for b, s in schedules.items())
+    replanned = [
+        f'"{b}" asks for {Percent(float(b[:-1])).share(num_steps * alpha, name="")} slots and '
+        f"plans {s.memory}"
+        for b, s in schedules.items()
+        if s.memory != Percent(float(b[:-1])).share(num_steps * alpha, name="")
+    ]
+    lines = [
+        "What the words mean (the docs' Concepts page says more):",
+        f"  slot        room for one carry (here h and c, {_size(carry_bytes)})",
+        "  alpha       slots a step's internal state takes (what its backward pass needs:",
+        f"              residuals and output carry); measured: alpha={alpha}",
+        "  lax.scan    plain backpropagation through time (BPTT): keeps every internal",
+        f"              state, T x alpha = {num_steps * alpha} slots",
+        '  memory="5%" 5% of those slots, the budget memento.scan plans within',
+        "  HSM/ISM/MSM the plan stores carries only / internal states only / a mix;",
+        f"              policy='auto' (the default) picked {chosen}",
+        "  memory      XLA's temporary bytes of the compiled gradient",
+        "  fwd evals   forward evaluations of the step per step (1.00: nothing recomputed)",
+        "  grad error  max relative difference from lax.scan's gradient",
+    ]
+    if replanned:
+        lines.append(
+            "  slots       what each schedule uses: "
+            + "; ".join(replanned)
+            + ",\n              fewer, so that its storage (grouped by dtype and shape) fits"
+        )
+    return "\n".join(lines)

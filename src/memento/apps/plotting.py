@@ -287,7 +287,7 @@ def plot_curves(panels: list[Curves], out_dir: Path, *, chen: Curves | None = No
             for ax in axes:
                 _legend_below(ax)
         path = out_dir / f"{stem}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=130)
         written.append(path)
     return written
 
@@ -371,20 +371,24 @@ def _segments(schedule: Schedule) -> _Drawing:
     return d
 
 
+# Dark, saturated colours: thin lines stay visible on white at thousands of rows.
+_GREEN, _BLUE, _RED = "#1a7f37", "#0a4fb0", "#d1242f"
+
+
 def _draw_schedule(ax, d: _Drawing, *, width: float, size: float) -> None:
     from matplotlib.collections import LineCollection
 
-    ax.add_collection(LineCollection(d.held_h, colors="tab:green", linewidths=width, alpha=0.35))
-    ax.add_collection(LineCollection(d.held_i, colors="tab:blue", linewidths=width, alpha=0.35))
+    ax.add_collection(LineCollection(d.held_h, colors=_GREEN, linewidths=width, alpha=0.75))
+    ax.add_collection(LineCollection(d.held_i, colors=_BLUE, linewidths=width, alpha=0.75))
     ax.add_collection(LineCollection(d.forward, colors="black", linewidths=width))
     # Backward steps on top and wider: at thousands of rows they form a visible front.
     ax.add_collection(
-        LineCollection(d.backward, colors="tab:red", linewidths=max(2.5, 2 * width), zorder=3)
+        LineCollection(d.backward, colors=_RED, linewidths=max(3.0, 2 * width), zorder=3)
     )
     if d.dots_h:
-        ax.plot(*np.array(d.dots_h).T, "o", color="tab:green", markersize=size)
+        ax.plot(*np.array(d.dots_h).T, "o", color=_GREEN, markersize=size)
     if d.dots_i:
-        ax.plot(*np.array(d.dots_i).T, "s", color="tab:blue", markersize=size)
+        ax.plot(*np.array(d.dots_i).T, "s", color=_BLUE, markersize=size)
     ax.set_xlabel("logical time (position in the sequence)")
     ax.set_ylabel("execution order (backward steps done)")
 
@@ -401,7 +405,7 @@ def _zoom_window(d: _Drawing, width: int) -> tuple[float, float, float, float]:
 
 _CAPTION = (
     "Black: forward steps (recomputation included); red: backward steps, one per row "
-    "(a fused one re-runs its step first). Thin vertical lines: how long a stored state "
+    "(a fused one re-runs its step first). Vertical lines: how long a stored state "
     "stays in memory, from its save (dot) to its release: green a hidden state, blue an "
     "internal state."
 )
@@ -431,7 +435,7 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
     else:
         fig = Figure(figsize=(11, min(12, 3.5 + d.rows * 0.12)), layout="constrained")
         ax, zoom = fig.subplots(), None
-    _draw_schedule(ax, d, width=0.8 if dense else 2.0, size=2 if dense else 6)
+    _draw_schedule(ax, d, width=1.4 if dense else 2.5, size=3 if dense else 7)
     ax.set_xlim(-0.02 * t - 0.5, t * 1.02 + 0.5)
     ax.set_ylim(d.rows + 0.5, -0.5)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -443,7 +447,7 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
     ax.set_title(title, fontsize=10)
     if zoom is not None:
         x0, x1, y0, y1 = _zoom_window(d, min(t, 40))
-        _draw_schedule(zoom, d, width=2.0, size=6)
+        _draw_schedule(zoom, d, width=2.5, size=7)
         zoom.set_xlim(x0, x1)
         zoom.set_ylim(y0, y1)
         zoom.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -452,13 +456,13 @@ def plot_schedule(schedule: Schedule, path, *, title: str | None = None) -> None
             Rectangle((x0, y1), x1 - x0, y0 - y1, fill=False, edgecolor="tab:orange", linewidth=2)
         )
     handles = [
-        Line2D([], [], color="black", label="forward computation"),
-        Line2D([], [], color="tab:red", linewidth=2.5, label="backward computation"),
-        Line2D([], [], color="tab:green", marker="o", label="hidden state stored"),
-        Line2D([], [], color="tab:blue", marker="s", label="internal state stored"),
+        Line2D([], [], color="black", linewidth=2.5, label="forward computation"),
+        Line2D([], [], color=_RED, linewidth=3, label="backward computation"),
+        Line2D([], [], color=_GREEN, linewidth=2.5, marker="o", label="hidden state stored"),
+        Line2D([], [], color=_BLUE, linewidth=2.5, marker="s", label="internal state stored"),
     ]
     if zoom is not None:
         handles.append(Line2D([], [], color="tab:orange", linewidth=2, label="zoomed area"))
     fig.legend(handles=handles, fontsize=9, loc="outside upper center", ncol=len(handles))
     fig.supxlabel(textwrap.fill(_CAPTION, 150 if dense else 120), fontsize=8)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=130)

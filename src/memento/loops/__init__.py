@@ -4,6 +4,7 @@
 `chain_plan`, the plan `chain` follows.
 """
 
+from .. import _needs_jax  # noqa: F401  (first: without it, an ImportError naming the extra)
 from ._budget import (
     Bytes as Bytes,
     bytes_budget as bytes_budget,

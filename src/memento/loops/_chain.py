@@ -19,7 +19,7 @@ Measuring (once per trace of the gradient, from the inputs it differentiates):
   each buffer counted once, closed-over parameters excluded: they are held anyway);
 - all three sizes are quantised into units of ``unit_bytes`` (rounded up, the budget
   rounded down, so the plan never exceeds the budget in bytes) with the budget at most
-  about 1000 units (`memento.planning.plan_chain_bytes`): the table has ``n^2 E / 2`` entries.
+  about 1000 units (`memento.planning.internals.plan_chain_bytes`): the table has ``n^2 E / 2`` entries.
 
 Execution. Each layer is closure-converted (`_body.make_body`: parameters it closes
 over, Equinox module fields, ``functools.partial`` arguments, and tracers of enclosing
@@ -75,16 +75,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-from ..planning import (
-    INITIAL,
-    ChainPlan,
-    ChainPolicy,
-    Op,
-    Schedule,
-    check_layers,
-    plan_layers,
-    walk,
-)
+from ..planning import Op, Schedule, walk
+from ..planning.internals import INITIAL, ChainPlan, ChainPolicy, check_layers, plan_layers
 from ._body import (
     Body,
     Static,
@@ -94,7 +86,7 @@ from ._body import (
     merge,
     nbytes,
 )
-from ._budget import Bytes
+from ._budget import Bytes, Percent
 
 __all__ = ["ChainPlan", "chain", "chain_plan", "scan_layers"]
 
@@ -175,7 +167,7 @@ def _sizes(bodies: Sequence[Body]) -> tuple[tuple[int, ...], tuple[int, ...], tu
     return tuple(hidden), tuple(internal), tuple(_flops(b) for b in bodies)
 
 
-def _plan(bodies: Sequence[Body], budget: int | Bytes, policy: ChainPolicy) -> ChainPlan:
+def _plan(bodies: Sequence[Body], budget: int | Bytes | Percent, policy: ChainPolicy) -> ChainPlan:
     hidden, internal, flops = _sizes(bodies)
     return plan_layers(flops, hidden, internal, budget, policy, name=_NAME)
 
@@ -198,7 +190,7 @@ def chain_plan(
     return _plan(_layers(fns, x), budget, policy)
 
 
-def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
+def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | Percent | None]:
     return check_layers(fns, memory, policy, name=_NAME)
 
 
@@ -309,7 +301,7 @@ class _Replay:
                 del self.internal[arg]
 
 
-def _differentiable(bodies: list[Body], budget: int | Bytes, policy: ChainPolicy):
+def _differentiable(bodies: list[Body], budget: int | Bytes | Percent, policy: ChainPolicy):
     """The chain as a ``custom_vjp`` function of (per-layer parameters, x leaves)."""
 
     @jax.custom_vjp
@@ -385,7 +377,9 @@ def chain(
             the size of the largest state the plan may store (the largest of
             ``x_0 .. x_{n-1}``, in bytes); one slot always suffices. A budget above what
             storing everything takes runs the store-everything plan (no larger). A string such as ``"5MiB"`` or
-            ``memento.bytes_budget(n)``: bytes, at least the size of ``x_0``. Under
+            ``memento.bytes_budget(n)``: bytes, at least the size of ``x_0``. A
+            percentage such as ``"5%"``: that share of the bytes of every layer's internal
+            state (input, output and residuals), summed; ``"100%"`` stores everything. Under
             ``vmap`` sizes are those of one batch member.
         policy: ``"auto"`` or ``"msm"`` (the same: store inputs of layers or their
             internal states, whichever is cheaper), or ``"hsm"`` (inputs of layers

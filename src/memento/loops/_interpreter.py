@@ -21,7 +21,7 @@ and internal states (the stored residual leaves, plus the output carry when the 
 loads it) at offsets fixed by the state's place on the schedule's stack.
 
 Two-level plans (`memento.plan` with ``host_memory=``) keep a second set of pools for the
-host slots, a stack of its own (`memento.planning.two_level_depths`), placed in host
+host slots, a stack of its own (`memento.planning.internals.two_level_depths`), placed in host
 memory where JAX has it (`_pool.host_space`). A host row runs as its device counterpart on
 those pools: a store copies the state out (a write into a host pool), a load copies it
 back inside the ``switch`` branch that takes it as the working state, a backward step

@@ -25,7 +25,7 @@ recursion (`_recursion`) keeps its slots in the same pools.
 Offsets. The planner's schedules use slots as a stack (Algorithm 2 of Gruslys et al.: a
 state is released before any state stored before it), so the place of a stored state is
 fixed by how many hidden and internal states lie below it, ``(nh, ni)``
-(`memento.planning.stack_depths`). Executable rows keep the two counts in two columns
+(`memento.planning.internals.stack_depths`). Executable rows keep the two counts in two columns
 (`stack_rows`; packing them into one int32 wrapped at large budgets), and a state's
 first entry in pool g is ``nh * h_g + ni * i_g``, where ``h_g`` and ``i_g`` are the
 entries of pool g in one hidden and one internal state. Each pool holds exactly the
@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching, lax
 
-from ..planning import Op, Schedule, stack_depths, two_level_depths
+from ..planning import Op, Schedule
+from ..planning.internals import stack_depths, two_level_depths
 
 try:  # restores a weak type on read; no public equivalent
     from jax._src.lax.lax import _convert_element_type

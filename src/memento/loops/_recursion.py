@@ -9,7 +9,7 @@ advance ``y = hsm_split(t, m)`` steps from ``h_b`` and push ``h_{b+y}`` (at ``t 
 push saves no evaluation, so none is made). Then advance to ``h_e`` and back-propagate
 step e fused; a carry is popped once its own step has been. This is Griewank and
 Walther's binomial recursion (the paper's HSM, eq. (1)-(3)) unrolled one push at a time,
-with the split computed on the device from its closed form (`memento.planning.hsm_split`,
+with the split computed on the device from its closed form (`memento.planning.internals.hsm_split`,
 here from a table of binomials, `hsm_splitter`, or, in a loop that XLA:CPU can run in
 order, from binomials stepped up a level at a time, `hsm_split_on_device`). No schedule
 rows are materialised: the state is O(slots), and the table's size depends on the
@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from ..planning import hsm_split
+from ..planning.internals import hsm_split
 from . import _pool
 from ._body import Body, split
 from ._interpreter import advance_steps, apply_pullback, read_index, x_at
@@ -138,7 +138,7 @@ def _binomial(tab, off, m, w):
 
 
 def hsm_splitter(slots: int) -> Callable:
-    """`memento.planning.hsm_split` (high=True) on int32 scalars, for
+    """`memento.planning.internals.hsm_split` (high=True) on int32 scalars, for
     ``2 <= t < 2^31 - 1`` and ``2 <= m <= slots``, from closed forms and a table of
     binomials whose size depends on ``slots`` only (`_binomials`).
 
@@ -184,7 +184,7 @@ def _next_binomial(b, m, w):
 
 
 def hsm_split_on_device(t, m):
-    """`memento.planning.hsm_split` (high=True) on int32 scalars, for
+    """`memento.planning.internals.hsm_split` (high=True) on int32 scalars, for
     ``2 <= t < 2^31 - 1`` and ``2 <= m < 10^8``.
 
     The same closed form: ``1 + ism_split(t - 2, m)``, where the level w is the smallest

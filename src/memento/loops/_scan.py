@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Policy, Schedule, check_policy, plan
-from ..planning._budget import as_int
+from ..planning import Policy, Schedule, plan
 from ..planning._host import check_host
+from ..planning.internals import as_int, check_policy
 from . import _recursion
 from ._body import (
     Body,
@@ -30,6 +30,7 @@ from ._body import (
 from ._budget import (
     Bytes,
     Charges,
+    Percent,
     choose_policy,
     choose_schedule,
     internal_slots,
@@ -84,7 +85,9 @@ def scan(
         memory: what the backward pass may keep. ``None``: everything (this is
             ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
             initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
-            bytes, converted to slots from the measured carry size. Under ``vmap`` sizes are
+            bytes, converted to slots from the measured carry size. A percentage such as
+            ``"5%"``: that share of storing every step's residuals, ``floor(0.05 *
+            num_steps * alpha)`` slots (alpha measured, below). Under ``vmap`` sizes are
             those of one batch member. Carry leaves that ``f`` returns unchanged are, as in
             ``lax.scan``, constants of the loop: they take no room in slots and do not
             count in the carry size (and keep their batching under ``vmap``).
@@ -174,7 +177,7 @@ def scan(
             "or use memory=None (lax.scan)."
         )
     body, init_leaves, readonly, fixed = _trace(f, init, xs, x_leaves, name=_NAME)
-    slots = to_slots(budget, nbytes(body.carry_avals), name=_NAME)
+    slots = _slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(
         _plan,
         num_steps=num_steps,
@@ -261,7 +264,7 @@ def scan_schedule(
     if num_steps == 0:
         raise ValueError(f"{name}: a scan of 0 steps runs lax.scan and has no schedule.")
     body, _, readonly, _ = _trace(f, init, xs, x_leaves, name=name)
-    slots = to_slots(budget, nbytes(body.carry_avals), name=name)
+    slots = _slots(budget, nbytes(body.carry_avals), name=name)
     num_closure = len(body.consts) - sum(readonly)  # read-only carry leaves come last
     body = body.restrict(
         ["closure" in wrt] * num_closure + ["init" in wrt] * sum(readonly),
@@ -280,6 +283,11 @@ def scan_schedule(
     )
     assert schedule is not None  # rows=True always plans one
     return schedule
+
+
+def _slots(budget: int | Bytes | Percent, carry_bytes: int, *, name: str) -> int | Percent:
+    """Slots of a budget; a percentage stays one until `_plan` measures alpha, its need."""
+    return budget if isinstance(budget, Percent) else to_slots(budget, carry_bytes, name=name)
 
 
 def _steps(xs, length, reverse: bool, *, name: str) -> tuple[int, list]:
@@ -427,7 +435,13 @@ def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
         ValueError: a negative number of slots, an unreadable size string.
     """
     if isinstance(host_memory, str | Bytes):
-        return parse_memory(host_memory, name=name)
+        budget = parse_memory(host_memory, name=name)
+        if isinstance(budget, Percent):
+            raise ValueError(
+                f"{name}: host_memory={host_memory!r} is a percentage; host_memory takes "
+                "carry-sized slots, a size such as '16GiB', or math.inf."
+            )
+        return budget
     if isinstance(host_memory, float) and host_memory == math.inf:
         return math.inf
     if host_memory is None:
@@ -517,7 +531,7 @@ def _plan(
     body: Body,
     *,
     num_steps: int,
-    slots: int,
+    slots: int | Percent,
     policy: Policy,
     executor: Executor = "auto",
     name: str = _NAME,
@@ -528,8 +542,9 @@ def _plan(
     says.
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
-    known: the paper's alpha is measured from the residuals actually differentiated.
-    The budget is capped at `useful_slots`: no plan, pool or stack is sized by a number
+    known: the paper's alpha is measured from the residuals actually differentiated, and a
+    `Percent` budget becomes that share of ``num_steps * alpha`` slots. The budget is
+    capped at `useful_slots`: no plan, pool or stack is sized by a number
     larger than what the loop can use. An HSM plan runs as the recursion when
     ``executor`` says so: no program, and no schedule unless ``rows`` (then the HSM
     schedule, whose evaluations it makes). Otherwise the pools must fit the budget: when
@@ -547,7 +562,8 @@ def _plan(
     spec = body.residual_spec()
     carry_bytes = nbytes(body.carry_avals)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
-    slots = min(slots, useful_slots(num_steps, alpha, "auto"))
+    need = useful_slots(num_steps, alpha, "auto")
+    slots = min(to_slots(slots, carry_bytes, name=name, need=need), need)
     if host is not None:
         return _plan_two_level(
             body, spec, num_steps, slots, alpha, policy, host, carry_bytes, name=name

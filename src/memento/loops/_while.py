@@ -57,7 +57,7 @@ from ._body import (
     structure_error,
     varying_in_step,
 )
-from ._budget import Bytes, parse_memory, to_slots
+from ._budget import Bytes, Percent, parse_memory, to_slots
 from ._interpreter import SMALL_ARRAY_BYTES, read_index, read_table
 from ._pool import _convert_element_type, under_forward_mode, varying
 from ._scan import host_slots, parse_host_memory
@@ -111,8 +111,10 @@ def while_loop(
         cond_fun, body_fun, init_val: as ``jax.lax.while_loop``.
         max_steps: at most this many steps (an ``int >= 0``), or ``None`` for no bound.
         memory: carry-sized slots (an ``int``, the initial carry included: the paper's m)
-            or bytes (``"64MiB"``, ``memento.bytes_budget(n)``). ``None``: enough to keep
-            every carry, ``max_steps + 1`` slots (needs ``max_steps``). Under ``vmap``,
+            or bytes (``"64MiB"``, ``memento.bytes_budget(n)``), or a percentage
+            (``"5%"``) of every carry, ``floor(0.05 * (max_steps + 1))`` slots (needs
+            ``max_steps``). ``None``: enough to keep every carry, ``max_steps + 1`` slots
+            (needs ``max_steps``). Under ``vmap``,
             sizes are those of one batch member. Buffers (below) take no slots, nor do
             carry leaves that ``body_fun`` returns unchanged: as in ``lax.while_loop``,
             they are constants of the loop (and keep their batching under ``vmap``).
@@ -165,7 +167,8 @@ def while_loop(
         ``return_truncated=True``.
 
     Raises:
-        ValueError: ``max_steps < 0``; ``memory=None`` without ``max_steps``; a budget
+        ValueError: ``max_steps < 0``; ``memory=None`` or a percentage without
+            ``max_steps``; a budget
             below one carry (the message names the minimum); ``host_memory`` negative,
             ``math.inf`` without ``max_steps``, in bytes that hold no carry, or with
             ``memory=None``.
@@ -219,6 +222,12 @@ def while_loop(
             "(e.g. memory=16 slots or memory='64MiB') or max_steps."
         )
     budget = None if memory is None else parse_memory(memory, name=_NAME)
+    if isinstance(budget, Percent) and steps is None:
+        raise ValueError(
+            f"{_NAME}: memory={memory!r} is a share of storing every carry, max_steps + 1 "
+            "slots, so it needs max_steps; pass max_steps, or a budget in slots or bytes "
+            "(e.g. memory=16 or memory='64MiB')."
+        )
     host_budget = parse_host_memory(_NAME, host_memory)
     if host_budget is not None and memory is None:
         raise ValueError(
@@ -324,7 +333,8 @@ def while_loop(
         assert steps is not None  # memory=None without max_steps was refused above
         slots = steps + 1
     else:
-        slots = to_slots(budget, carry_bytes, name=_NAME)
+        need = None if steps is None else steps + 1  # what memory=None keeps
+        slots = to_slots(budget, carry_bytes, name=_NAME, need=need)
     if steps is not None:
         slots = min(slots, steps + 1)  # more than one slot per carry is never used
     host = 0 if host_budget is None else host_slots(host_budget, carry_bytes, name=_NAME)

@@ -9,6 +9,7 @@ MixFlow-MG: Kemaev et al. 2025, "Scalable Meta-Learning via Mixed-Mode Different
   `memento.scan` memory budget across steps.
 """
 
+from .. import _needs_jax  # noqa: F401  (first: without it, an ImportError naming the extra)
 from ._bilevel import inner_loop as inner_loop
 from ._fwdrev import fwdrev_grad as fwdrev_grad
 

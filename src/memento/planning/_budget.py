@@ -1,31 +1,29 @@
-"""Memory budgets, NumPy only: parsing ``memory=``, slot sizes, and the schedule to run.
+"""Memory budgets, NumPy only: reading ``memory=`` and turning it into slots.
 
 Shared by every executor (`memento.scan`, `memento.while_loop`, `memento.chain`, and
-`memento.torch`): ``memory`` is an int of carry-sized slots, a size string such as
-``"256MiB"``, or `bytes_budget`; bytes become slots from the measured carry size, and the
-paper's alpha from the measured size of a step's internal state.
+`memento.torch`) and the command line: ``memory`` is an int of carry-sized slots, a size
+string such as ``"256MiB"`` or `bytes_budget` (`Bytes`), or a percentage such as ``"5%"``
+(`Percent`) of what storing every step takes. Bytes become slots from the measured carry
+size, a percentage from the measured need, and the paper's alpha from the measured size of
+a step's internal state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import fractions
 import math
 import re
 
 import numpy as np
 
-from ._auto import Charges, Policy, auto_policy
-from ._dp import plan
-from ._schedule import Schedule
-
 __all__ = [
     "Bytes",
+    "Percent",
     "bytes_budget",
-    "choose_policy",
-    "choose_schedule",
     "internal_slots",
     "parse_memory",
+    "parse_size",
     "to_slots",
 ]
 
@@ -41,6 +39,39 @@ class Bytes:
     """A memory budget in bytes; see `bytes_budget`."""
 
     num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Percent:
+    """A memory budget as a percentage of what storing every step takes (``"5%"``).
+
+    Resolved by `share` where that need is known: ``floor(percent / 100 * need)`` slots,
+    computed exactly from the decimal written (``"0.1%"`` is 1/1000). See `parse_memory`
+    for what each entry point counts as the need.
+
+    Attributes:
+        percent: the percentage, ``0 < percent <= 100``.
+    """
+
+    percent: float
+
+    def share(
+        self, need: int, *, name: str, what: str = "storing every step", unit: str = "slots"
+    ) -> int:
+        """``floor(percent / 100 * need)``: the budget, in the unit ``need`` is counted in.
+
+        Raises:
+            ValueError: a share of ``need`` below one unit (the message names the smallest
+                percentage that holds one).
+        """
+        share = math.floor(fractions.Fraction(repr(self.percent)) * need / 100)
+        if share < 1:
+            least = 100 / max(need, 1)
+            raise ValueError(
+                f"{name}: memory='{self.percent:g}%' of {need} {unit} ({what}) is less than "
+                f"one; pass at least '{least:.3g}%', or memory=1 (one slot)."
+            )
+        return share
 
 
 def as_int(value):
@@ -85,19 +116,71 @@ def bytes_budget(num_bytes: int) -> Bytes:
     return Bytes(num_bytes)
 
 
-def parse_memory(memory, *, name: str) -> int | Bytes:
-    """``memory=`` as given by the user: an int of slots, or `Bytes`."""
-    if isinstance(memory, Bytes):
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+_PERCENT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*%\s*")
+
+
+def parse_size(text: str) -> int | None:
+    """A size string (``"4096"``, ``"4KiB"``, ``"1.5GB"``) in bytes, or None if ``text``
+    is not one. A bare number is bytes."""
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _parse_percent(text: str, *, name: str) -> Percent:
+    m = _PERCENT.fullmatch(text)
+    if m is None:
+        raise ValueError(
+            f"{name}: cannot read memory={text!r} as a percentage; write a number in "
+            "(0, 100] followed by '%', such as '5%' or '0.5%'."
+        )
+    percent = float(m.group(1))
+    if not 0 < percent <= 100:
+        raise ValueError(
+            f"{name}: memory={text!r} is outside (0%, 100%]; 100% stores every step "
+            "(as lax.scan), so a budget is a percentage above 0 and at most 100, such as '5%'."
+        )
+    return Percent(percent)
+
+
+def parse_memory(memory, *, name: str) -> int | Bytes | Percent:
+    """``memory=`` as given by the user: an int of slots, `Bytes`, or `Percent`.
+
+    Accepted forms:
+
+    - an int (Python, NumPy or a concrete 0-d JAX integer): carry-sized slots;
+    - a size string, ``"256MiB"``, ``"1.5GB"``, ``"4096B"`` (SI and binary units), or
+      `bytes_budget`: bytes, turned into slots by `to_slots` from the carry's size;
+    - a percentage string, ``"5%"``: that share of what storing every step takes,
+      ``floor(percent / 100 * need)`` slots (`Percent.share`, at least one), where the
+      need is counted in carry-sized slots as the entry point stores every step:
+      `memento.scan` and `memento.torch.scan`: every step's internal state, ``num_steps
+      * alpha`` (``lax.scan``'s memory; alpha is measured from the residuals actually
+      differentiated); `memento.while_loop`: every carry, ``max_steps + 1`` (what
+      ``memory=None`` keeps; a percentage needs ``max_steps``); `memento.chain` and
+      `memento.torch.checkpoint_sequential`: every layer's internal state, in bytes;
+      `memento.plan`: ``num_steps * alpha`` (``num_steps`` for HSM).
+
+    Raises:
+        TypeError: anything else (a float, a bool).
+        ValueError: a string that is neither a size nor a percentage; a size of 0 bytes;
+            fewer than 1 slot; a percentage outside (0, 100].
+    """
+    if isinstance(memory, Bytes | Percent):
         return memory
     if isinstance(memory, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
+        if "%" in memory:
+            return _parse_percent(memory, name=name)
+        num_bytes = parse_size(memory)
+        if num_bytes is None:
             raise ValueError(
                 f"{name}: cannot read memory={memory!r}; pass a size such as '256MiB', "
-                "'1.5GB' or '4096B', an int number of slots, or memento.bytes_budget(n)."
+                "'1.5GB' or '4096B', a percentage such as '5%' of storing every step, an "
+                "int number of slots, or memento.bytes_budget(n)."
             )
-        num_bytes = int(float(m.group(1)) * _UNITS[unit])
         if num_bytes < 1:
             raise ValueError(
                 f"{name}: memory={memory!r} is {num_bytes} bytes, which holds nothing; "
@@ -108,8 +191,8 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
     if n is None:
         raise TypeError(
             f"{name}: memory must be None, an int number of carry-sized slots (Python, "
-            f"NumPy or a concrete JAX integer), a size string such as '256MiB', or "
-            f"memento.bytes_budget(n); got {memory!r}."
+            f"NumPy or a concrete JAX integer), a size string such as '256MiB', a "
+            f"percentage such as '5%', or memento.bytes_budget(n); got {memory!r}."
         )
     memory = n
     if memory < 1:
@@ -120,10 +203,27 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
     return memory
 
 
-def to_slots(memory: int | Bytes, carry_bytes: int, *, name: str) -> int:
-    """Converts a budget into carry-sized slots; a budget below one carry is an error."""
+def to_slots(
+    memory: int | Bytes | Percent, carry_bytes: int, *, name: str, need: int | None = None
+) -> int:
+    """Converts a budget into carry-sized slots; a budget below one carry is an error.
+
+    Args:
+        memory: from `parse_memory`.
+        carry_bytes: the size of one slot.
+        name: the public function, for messages.
+        need: the slots storing every step takes, which a `Percent` is a share of.
+
+    Raises:
+        ValueError: bytes below one carry, or a percentage below one slot.
+        TypeError: a `Percent` without ``need`` (an entry point that cannot count it).
+    """
     if isinstance(memory, int):
         return memory
+    if isinstance(memory, Percent):
+        if need is None:
+            raise TypeError(f"{name}: memory='{memory.percent:g}%' needs a total to be a share of.")
+        return memory.share(need, name=name)
     slots = memory.num_bytes // max(carry_bytes, 1)
     if slots < 1:
         raise ValueError(
@@ -136,50 +236,3 @@ def to_slots(memory: int | Bytes, carry_bytes: int, *, name: str) -> int:
 def internal_slots(residual_bytes: int, carry_bytes: int) -> int:
     """The paper's alpha: an internal state (residuals and output carry) in carry slots."""
     return max(1, math.ceil((residual_bytes + carry_bytes) / max(carry_bytes, 1)))
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(num_steps: int, memory: int, policy: Policy, alpha: int | None) -> Schedule:
-    return plan(num_steps, memory, policy=policy, alpha=alpha)
-
-
-def choose_policy(
-    num_steps: int,
-    slots: int,
-    alpha: int,
-    policy: Policy,
-    *,
-    name: str,
-    charges: Charges | None = None,
-) -> Policy:
-    """The policy `choose_schedule` plans: ``policy``, or what ``"auto"`` picks under
-    the executor's ``charges`` (default: JAX's, `Charges()`; for HSM without planning it,
-    see `memento.planning.auto_policy`)."""
-    if policy == "ism" and slots < alpha:
-        raise ValueError(
-            f"{name}: policy='ism' needs room for one internal state, {alpha} slots "
-            f"(measured from the body's residuals); got {slots}. Raise memory or use "
-            "policy='hsm' or 'auto'."
-        )
-    if policy != "auto":
-        return policy
-    return auto_policy(
-        num_steps, slots, alpha, lambda p, a: _plan(num_steps, slots, p, a), charges or Charges()
-    )
-
-
-def choose_schedule(
-    num_steps: int,
-    slots: int,
-    alpha: int,
-    policy: Policy,
-    *,
-    name: str,
-    charges: Charges | None = None,
-) -> Schedule:
-    """The schedule to run for ``num_steps`` steps in ``slots`` carry-sized slots.
-
-    `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
-    """
-    policy = choose_policy(num_steps, slots, alpha, policy, name=name, charges=charges)
-    return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)

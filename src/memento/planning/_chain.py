@@ -252,7 +252,7 @@ def plan_chain_bytes(
     memory_bytes: int,
     *,
     internal: bool = True,
-    name: str = "memento.planning.plan_chain_bytes",
+    name: str = "memento.planning.internals.plan_chain_bytes",
 ) -> tuple[Schedule, int]:
     """`plan_chain` for a measured chain: real-valued costs, sizes and budget in bytes.
 

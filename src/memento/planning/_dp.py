@@ -33,6 +33,7 @@ from typing import Literal
 import numpy as np
 
 from ._auto import Policy, auto_uses_msm, check_policy, plan_auto
+from ._budget import Percent, parse_memory
 from ._closed import hsm_cost, hsm_split, ism_column, ism_cost, ism_split
 from ._host import check_host, plan_two_level
 from ._msm import _BIG, _HIDDEN, _INTERNAL, msm_estimate_s, msm_tables
@@ -83,7 +84,13 @@ def _check(fn: str, num_steps, memory, policy, alpha, beta) -> tuple[int, int, P
     """Validates `plan`'s / `cost_table`'s arguments once; returns (t, m, policy, a, b)."""
     policy = check_policy(fn, policy)
     t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
-    m = _int(fn, "memory", memory, "pass the budget in slots of one hidden state, e.g. 10")
+    m = _int(
+        fn,
+        "memory",
+        memory,
+        "pass the budget in slots of one hidden state, e.g. 10, or a percentage such as "
+        "'5%' (plan counts slots: for bytes, divide by the carry's size)",
+    )
     if t < 1:
         raise ValueError(f"{fn}: num_steps must be >= 1, got {t}")
     if m < 1:
@@ -430,9 +437,21 @@ def _assemble(small: np.ndarray, leaves: list[tuple]) -> np.ndarray:
 # --------------------------------------------------------------------------- public API
 
 
+def _slots_of_percent(fn: str, num_steps, memory, alpha):
+    """``memory`` as given, or the slots of a percentage such as ``"5%"``: that share of
+    ``num_steps * alpha`` (every internal state; ``num_steps`` without alpha)."""
+    if not (isinstance(memory, str) and "%" in memory):
+        return memory  # `_check` refuses anything but an int
+    budget = parse_memory(memory, name=fn)
+    assert isinstance(budget, Percent)
+    t = _int(fn, "num_steps", num_steps, "pass the number of loop steps, e.g. 1000")
+    a = 1 if alpha is None else _int(fn, "alpha", alpha, "pass slots per internal state")
+    return budget.share(max(t, 0) * max(a, 1), name=fn, what="every step's internal state")
+
+
 def plan(
     num_steps: int,
-    memory: int,
+    memory: int | str,
     *,
     policy: Policy = "auto",
     alpha: int | None = None,
@@ -458,7 +477,9 @@ def plan(
         num_steps: t, the number of steps (>= 1).
         memory: m, the budget in slots of one hidden state (the paper's m). For ``"hsm"``
             and ``"msm"`` it includes ``h_0``; for ``"ism"`` it counts ``memory // alpha``
-            internal-state slots and ``h_0`` is free, as in the paper's section 3.2.
+            internal-state slots and ``h_0`` is free, as in the paper's section 3.2. A
+            percentage such as ``"5%"``: ``floor(0.05 * num_steps * alpha)`` slots
+            (alpha 1 when not given), a share of storing every internal state.
         policy: ``"auto"`` (the default, as `memento.scan`, below), ``"hsm"`` (section 3.1: hidden states only, C(t,m) = 2t-1 for m >= t-1),
             ``"ism"`` (section 3.2: internal states only, C(t,m) = t for m >= t) or
             ``"msm"`` (sections 3.3-3.4: either, per push), or ``"auto"``: the HSM, ISM
@@ -506,7 +527,7 @@ def plan(
         the replay's ``SimulationResult.cost``, within both budgets.
 
     Raises:
-        TypeError: a size that is not an int (bools included).
+        TypeError: a size that is not an int (bools included) or, for memory, a percentage.
         ValueError: a size below 1, an unknown policy, alpha/beta where they do not apply
             or out of range, a budget below the policy's minimum, or a problem too large to
             plan in reasonable time (the message gives the estimate).
@@ -534,6 +555,7 @@ def plan(
         Backpropagation Through Time. NeurIPS 2016, eq. (1)-(10).
     """
     fn = "memento.plan"
+    memory = _slots_of_percent(fn, num_steps, memory, alpha)
     t, m, policy, alpha, beta = _check(fn, num_steps, memory, policy, alpha, beta)
     if policy == "auto" and host_memory:
         # Two-level plans are HSM or MSM: auto is MSM (never worse) when an internal

@@ -86,7 +86,7 @@ from ._schedule import (
     transfer_time,
 )
 
-__all__ = ["Charges", "check_host", "emit_two_level", "host_tables", "plan_two_level"]
+__all__ = ["TransferCharges", "check_host", "emit_two_level", "host_tables", "plan_two_level"]
 
 # Choices, in the order ties are broken (the first wins).
 Q1, Q2, Q0, Q1H, Q2H, Q3 = range(6)
@@ -97,7 +97,7 @@ _S_PER_CELL = 1.3e-8
 
 
 @dataclasses.dataclass(frozen=True)
-class Charges:
+class TransferCharges:
     """What each transfer adds to the cost, in forward-step units (module docstring).
 
     Attributes:
@@ -112,7 +112,7 @@ class Charges:
     load_internal: float
 
     @classmethod
-    def of(cls, write: float, read: float, alpha: int, overlap: str) -> Charges:
+    def of(cls, write: float, read: float, alpha: int, overlap: str) -> TransferCharges:
         return cls(*charges_of(write, read, alpha, overlap))
 
 
@@ -129,7 +129,7 @@ def host_tables(
     alpha: int,
     beta: int,
     msm: bool,
-    ch: Charges,
+    ch: TransferCharges,
 ):
     """C, choice and y of the two-level recursion for every t <= num_steps.
 
@@ -393,7 +393,7 @@ def plan_two_level(
             f"{_BUDGET_BYTES / 2**30:.0f} GiB); plan fewer steps or fewer slots, or pass "
             "host_memory=math.inf (one host column)"
         )
-    ch = Charges.of(*cost_pair, alpha, overlap)
+    ch = TransferCharges.of(*cost_pair, alpha, overlap)
     tables = host_tables(t, d, h, alpha, beta, msm, ch)
     rows = emit_two_level(t, d, h, alpha, beta, tables)
     s = Schedule(

@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._budget import Bytes, parse_memory
+from ._budget import Bytes, Percent, parse_memory
 from ._chain import plan_chain_bytes
 from ._schedule import Schedule, step_evaluations
 
@@ -66,7 +66,7 @@ class ChainPlan:
 
 def check_layers(
     layers, memory, policy, *, name: str, what: str = "fns", kinds: str = "list or tuple"
-) -> tuple[list[Callable], int | Bytes | None]:
+) -> tuple[list[Callable], int | Bytes | Percent | None]:
     """The layers as a list, and the parsed budget (``None`` for ``memory=None``).
 
     Args:
@@ -100,23 +100,29 @@ def plan_layers(
     flops: Sequence[float],
     hidden_bytes: Sequence[int],
     internal_bytes: Sequence[int],
-    memory: int | Bytes,
+    memory: int | Bytes | Percent,
     policy: ChainPolicy,
     *,
     name: str,
 ) -> ChainPlan:
-    """The `ChainPlan` of measured layers (`plan_chain_bytes`) for a budget in bytes or in
-    slots; a slot holds the largest state the plan may store (``x_0 .. x_{n-1}``).
+    """The `ChainPlan` of measured layers (`plan_chain_bytes`) for a budget in bytes, in
+    slots (a slot holds the largest state the plan may store, ``x_0 .. x_{n-1}``), or a
+    percentage of the bytes of every layer's internal state (its input, output and
+    residuals), summed.
 
     ``policy="hsm"`` stores layer inputs only; ``"auto"`` and ``"msm"`` choose per layer
     between its input and its whole internal state.
 
     Raises:
-        ValueError: a budget below the size of ``x_0``.
+        ValueError: a budget below the size of ``x_0``, or a percentage below one byte.
     """
     hidden = tuple(int(h) for h in hidden_bytes)
     slot = max(1, max(hidden[:-1]))
-    total = memory.num_bytes if isinstance(memory, Bytes) else memory * slot
+    if isinstance(memory, Percent):  # a share of every layer's internal state
+        need = sum(int(i) for i in internal_bytes)
+        total = memory.share(need, name=name, what="every layer's internal state", unit="bytes")
+    else:
+        total = memory.num_bytes if isinstance(memory, Bytes) else memory * slot
     schedule, unit = plan_chain_bytes(
         flops, hidden, internal_bytes, total, internal=policy != "hsm", name=name
     )

@@ -559,7 +559,9 @@ def first_backward(actions: np.ndarray) -> int:
         (actions[:, 0] == Op.BACKWARD_FUSED) | (actions[:, 0] == Op.BACKWARD_INTERNAL)
     )
     if len(back) == 0:
-        raise ScheduleError("memento.planning.first_backward: the rows back-propagate no step")
+        raise ScheduleError(
+            "memento.planning.internals.first_backward: the rows back-propagate no step"
+        )
     return int(back[0])
 
 
@@ -829,15 +831,15 @@ def stack_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if len(actions) and int(actions[:, 0].max()) >= _FIRST_HOST_OP:
         row = int(np.argmax(actions[:, 0] >= _FIRST_HOST_OP))
         raise NotImplementedError(
-            f"memento.planning.stack_depths: row {row} "
+            f"memento.planning.internals.stack_depths: row {row} "
             f"{tuple(int(v) for v in actions[row])} is a host-memory row "
             f"({Op(int(actions[row, 0])).name}); a two-level schedule keeps a stack per "
-            "level: use memento.planning.two_level_depths"
+            "level: use memento.planning.internals.two_level_depths"
         )
     nh, ni, bad = _depths(actions)
     if bad >= 0:
         raise ScheduleError(
-            f"memento.planning.stack_depths: row {bad} {tuple(int(v) for v in actions[bad])} "
+            f"memento.planning.internals.stack_depths: row {bad} {tuple(int(v) for v in actions[bad])} "
             "releases a slot out of stack order or uses a slot never saved; the slots of "
             "a schedule must be used as a stack (the planner's are)"
         )
@@ -900,7 +902,7 @@ def two_level_depths(actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     bad = min(b for b in (bad_d, bad_h, len(actions)) if b >= 0)
     if bad < len(actions):
         raise ScheduleError(
-            f"memento.planning.two_level_depths: row {bad} "
+            f"memento.planning.internals.two_level_depths: row {bad} "
             f"{tuple(int(v) for v in actions[bad])} releases a slot out of stack order on "
             "its level or uses a slot never saved; each level's slots must be used as a "
             "stack (the planner's are)"

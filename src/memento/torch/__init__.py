@@ -15,6 +15,7 @@ imports torch (``import memento`` stays NumPy only). The schedules are
   (MixFlow-MG, Listing 2 of Kemaev et al. 2025, made correct).
 """
 
+from .. import _needs_torch  # noqa: F401  (first: without it, an ImportError naming the extra)
 from ._chain import (
     ChainPlan as ChainPlan,
     chain_plan as chain_plan,

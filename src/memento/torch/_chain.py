@@ -9,7 +9,7 @@ products and convolutions, plus the output's elements so that element-wise layer
 something); the tensors its autograd graph saves are read from the graph, which is then
 dropped (the measuring pass keeps one layer's graph at a time). Sizes: ``x_p``'s bytes
 (hidden), and a layer's input, output and saved tensors other than parameters
-(internal). Planned with `memento.planning.plan_layers`, as `memento.chain` plans.
+(internal). Planned with `memento.planning.internals.plan_layers`, as `memento.chain` plans.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..planning import Bytes, ChainPlan, ChainPolicy, check_layers, plan_layers
+from ..planning import Bytes
+from ..planning.internals import ChainPlan, ChainPolicy, Percent, check_layers, plan_layers
 from . import _tree
 from ._machine import Machine, Steps, make_function
 from ._probe import Closure, Storages, is_float, nbytes, refuse_functorch
@@ -67,7 +68,7 @@ class _Layers(Steps):
         return self._index[p]
 
 
-def _check(layers, memory, policy) -> tuple[list[Callable], int | Bytes | None]:
+def _check(layers, memory, policy) -> tuple[list[Callable], int | Bytes | Percent | None]:
     if isinstance(layers, torch.nn.Sequential):
         layers = list(layers)
     return check_layers(

@@ -9,7 +9,7 @@ keeps the result, a `Record`: the step's autograd graph holds its saved tensors 
 internal state, the paper's ISM slot) until ``torch.autograd.grad`` back-propagates
 it. BACKWARD_FUSED records the step from the current state and back-propagates it at
 once. FREE rows drop the references, so memory follows the schedule.
-Runs: where `memento.planning.backward_runs` marks a row, the step is recorded on the
+Runs: where `memento.planning.internals.backward_runs` marks a row, the step is recorded on the
 graph of the record below it (whose output it starts from, and which is
 back-propagated right after it), and a run of such steps is back-propagated by one
 ``torch.autograd.grad`` when its bottom step's row comes: the same evaluations and the
@@ -18,7 +18,7 @@ instead of one per step.
 A second backward pass through the same outputs (``retain_graph=True``, Jacobians,
 ``gradcheck``) runs the first sweep again first: its stored states were freed.
 
-The first sweep (rows before `memento.planning.first_backward`) runs before the
+The first sweep (rows before `memento.planning.internals.first_backward`) runs before the
 ``autograd.Function`` is applied, and produces the outputs; the rest runs in its
 backward pass.
 """
@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..planning import Op, Schedule, backward_runs, first_backward
+from ..planning import Op, Schedule
+from ..planning.internals import backward_runs, first_backward
 from ._probe import is_float
 
 
@@ -96,7 +97,7 @@ def record(steps: Steps, p: int, cur: list, x: list, below: Record | None = None
 
     With ``below`` (the record of step p-1, whose output is ``cur``), the graph starts
     from ``below``'s carry rather than from detached copies of it, so that one
-    ``torch.autograd.grad`` back-propagates both (`memento.planning.backward_runs`).
+    ``torch.autograd.grad`` back-propagates both (`memento.planning.internals.backward_runs`).
     """
     if below is not None and below.carry is not None:
         h_in = [c if c.requires_grad else o for c, o in zip(below.carry, below.out)]
@@ -142,7 +143,7 @@ def _rows(schedule: Schedule) -> tuple[list, int, list[bool]]:
 class Machine:
     """Runs schedule rows (see the module docstring); counts evaluations of the steps.
 
-    Runs of backward steps marked by `memento.planning.backward_runs` are recorded as
+    Runs of backward steps marked by `memento.planning.internals.backward_runs` are recorded as
     one graph and back-propagated by one ``torch.autograd.grad``: a call per run rather
     than per step (a call costs tens of microseconds of Python and engine set-up, as
     much as a small step's arithmetic).

@@ -8,11 +8,9 @@ from typing import Any
 
 import torch
 
-from ..planning import (
-    Bytes,
-    Charges,
-    Policy,
-    Schedule,
+from ..planning import Bytes, Charges, Policy, Schedule
+from ..planning.internals import (
+    Percent,
     check_policy,
     choose_schedule,
     internal_slots,
@@ -140,7 +138,9 @@ def _prepare(step, h0, xs, memory, policy, length, *, name: str = _NAME):
     return loop, h_leaves, h_tree, budget, policy, num_steps
 
 
-def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *, name: str):
+def _probe(
+    loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str
+):
     """Step 0 with grad, the tensors it closes over, alpha, and the schedule.
 
     The probe is step 0's evaluation in the first sweep (`Machine.pre`): the schedule's
@@ -170,7 +170,7 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
     schedule = None
     slots = 0
     if budget is not None and loop.num_steps > 0:
-        slots = to_slots(budget, carry_bytes, name=name)
+        slots = to_slots(budget, carry_bytes, name=name, need=loop.num_steps * alpha)
         # Above storing every internal state (and h_0) nothing is gained: cap the budget.
         slots = min(slots, loop.num_steps * alpha + 1)
         # A stored internal state is the step's own autograd graph, kept, not copied:
