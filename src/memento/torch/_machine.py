@@ -31,6 +31,7 @@ backward pass.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -127,6 +128,16 @@ def record(
         with torch.enable_grad():
             carry, y = machine.call(p, h_in, x_in)
     return Record(p, h_in, x_in, carry, y, linked=below is not None)
+
+
+@contextlib.contextmanager
+def _no_cast_cache():
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 def check_x(name: str, p: int, x: list, versions: list[int]) -> None:
@@ -241,7 +252,9 @@ class Machine:
                 rec = record(self, q, cur, x(q))
                 cur, y = rec.out, [t.detach() for t in rec.y]
             else:
-                with torch.no_grad():
+                # No cached autocast casts here: a cast made under no_grad would be
+                # reused, without its graph, by the steps recorded after it.
+                with torch.no_grad(), _no_cast_cache():
                     cur, y = self.call(q, cur, x(q))
             if emit is not None:
                 emit(q, y)

@@ -87,8 +87,12 @@ class Snapshots(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         schema = func._schema
+        # The batch norm kernels write their running statistics though their schemas
+        # do not say so.
+        stats = "batch_norm" in schema.name and _training(schema, args, kwargs)
         for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if not (written or (stats and arg.name in ("running_mean", "running_var"))):
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in tensors(value):
@@ -111,6 +115,13 @@ class Snapshots(TorchDispatchMode):
     @property
     def mutated(self) -> list[torch.Tensor]:
         return [t for t, _ in self.saved.values()]
+
+
+def _training(schema, args, kwargs) -> bool:
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "training":
+            return bool(args[i] if i < len(args) else kwargs.get("training"))
+    return False
 
 
 Snapshot = tuple  # (RNG state or None, clones of the state tensors)

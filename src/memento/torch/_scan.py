@@ -207,8 +207,11 @@ def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes, policy: Policy, *
     rec0 = Record(0, h_in, x_in, carry_leaves, y_leaves)
     loop.found(closure, [*h_in, *h_call, *x_in])
     rng = rng_moved(rng_before, rng_state())
-    state = [t for t, _ in snapshots.saved.values() if id(t) in loop.mutated]
-    old = [v for t, v in snapshots.saved.values() if id(t) in loop.mutated]
+    # What step 0 modified in place besides its inputs, by the operations' schemas
+    # (BatchNorm's kernel writes its running statistics without a version bump).
+    ours = {id(t) for t in (*h_in, *h_call, *x_in)}
+    state = [t for t, _ in snapshots.saved.values() if id(t) not in ours]
+    old = [v for t, v in snapshots.saved.values() if id(t) not in ours]
     context = Context(rng=rng, state=state, start=(rng_before if rng else None, old))
     carry_bytes = nbytes(h_leaves)
     # The internal state: what a `Record` holds, i.e. what autograd saved, the input carry
