@@ -66,8 +66,9 @@ class Closure(TorchFunctionMode):
     outside: a module parameter or buffer, a closed-over tensor (leaf or not). Those that
     require grad are ``tensors``; the version of each is noted when first seen, so that
     ``mutated`` lists those the function modified in place (BatchNorm's running
-    statistics). Operations inside ``torch.func`` transforms (a `fwdrev_grad` inside a
-    step) are skipped: their tensors are functorch's wrappers of the step's own.
+    statistics). Inside ``torch.func`` transforms (a `fwdrev_grad` inside a step),
+    functorch's wrappers of the step's own tensors are skipped; the tensors they close
+    over are not.
 
     Attributes:
         calls_grad: whether the function called ``torch.autograd.grad`` or ``backward``.
@@ -85,16 +86,15 @@ class Closure(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _GRAD_FUNCS:
             self.calls_grad = True
-        if not torch._C._are_functorch_transforms_active():
-            for t in tensors((args, kwargs)):
-                i = id(t)
-                if i in self._known or i in self.outside:
-                    continue
-                if _functorch.is_functorch_wrapped_tensor(t) or t.is_inference():
-                    continue
-                self.outside[i] = (t, t._version)
-                if t.requires_grad:
-                    self.found[i] = t
+        for t in tensors((args, kwargs)):
+            i = id(t)
+            if i in self._known or i in self.outside:
+                continue
+            if _functorch.is_functorch_wrapped_tensor(t) or t.is_inference():
+                continue
+            self.outside[i] = (t, t._version)
+            if t.requires_grad:
+                self.found[i] = t
         out = func(*args, **kwargs)
         for t in tensors(out):
             self._known.add(id(t))
