@@ -109,7 +109,7 @@ class Snapshots(TorchDispatchMode):
     def restore(self) -> None:
         with torch.no_grad():
             for t, old in self.saved.values():
-                t.copy_(old)
+                t.data.copy_(old)  # no version bump: as if the pass had not run
         self._keep.clear()
 
     @property
@@ -159,9 +159,11 @@ class Context:
         rng, values = snap
         if rng is not None:
             set_rng_state(rng)
+        # Without a version bump: graphs that saved these tensors (batch norm saves its
+        # running statistics) saw these values, and the kernels that write them bump none.
         with torch.no_grad():
             for t, v in zip(self.state, values):
-                t.copy_(v)
+                t.data.copy_(v)
 
     def watch_versions(self, groups: Iterable[Iterable[torch.Tensor]]) -> None:
         """Remembers the versions of the tensors in ``groups`` (not those in ``state``)."""
