@@ -283,4 +283,6 @@ def _argnums(argnums: Any) -> tuple[tuple[int, ...], bool]:
         and all(isinstance(a, int) and not isinstance(a, bool) for a in argnums)
     ):
         return tuple(argnums), False
-    raise TypeError(f"{_NAME}: argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
+    raise TypeError(
+        f"{_NAME}: argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
+    )

@@ -106,9 +106,7 @@ class Steps:
         return []
 
 
-def record(
-    machine: Machine, p: int, cur: list, x: list, below: Record | None = None
-) -> Record:
+def record(machine: Machine, p: int, cur: list, x: list, below: Record | None = None) -> Record:
     """Step p from the state ``cur`` with its graph kept (see `Record`).
 
     With ``below`` (the record of step p-1, whose output is ``cur``), the graph starts
@@ -183,8 +181,7 @@ class Machine:
 
     Runs of backward steps marked by `memento.planning.backward_runs` are recorded as
     one graph and back-propagated by one ``torch.autograd.grad``: a call per run rather
-    than per step (a call costs tens of microseconds of Python and engine set-up, as
-    much as a small step's arithmetic).
+    than per step (each call has a fixed cost of Python and engine set-up).
     """
 
     def __init__(self, steps: Steps, h0: list, schedule: Schedule, context: Context, name: str):

@@ -294,16 +294,16 @@ def scan(
 
     Args:
         step: ``(h, x) -> (h, y)``: ``h`` keeps its structure, shapes and dtypes; ``y`` a
-            tensor, a nested tuple/list/dict of tensors, or ``None``. It must be
-            deterministic (it is recomputed): random draws (dropout) belong in ``xs``.
+            tensor, a nested tuple/list/dict of tensors, or ``None``.
         h0: the initial carry: a tensor or nested tuples, lists, dicts of tensors.
         xs: the per-step inputs, leaves with a leading axis of the number of steps, or
             ``None`` with ``length``.
-        memory: what the backward pass may keep, ``h0`` included. An ``int``: slots of one
-            carry (the paper's m; 1 recomputes from ``h0`` for every step). A string such
-            as ``"16MiB"`` or ``memento.bytes_budget(n)``: bytes, turned into slots from
-            the carry's size. A budget above what storing every step takes is capped
-            there. ``None``: the plain loop, autograd storing everything.
+        memory: what the backward pass may keep, ``h0`` included. ``None`` (the
+            default, as `memento.scan`): the plain loop, autograd storing everything. An
+            ``int``: slots of one carry (the paper's m; 1 recomputes from ``h0`` for
+            every step). A string such as ``"16MiB"`` or ``memento.bytes_budget(n)``:
+            bytes, turned into slots from the carry's size. A budget above what storing
+            every step takes is capped there.
         policy: ``"auto"``, ``"hsm"``, ``"ism"`` or ``"msm"``, as `memento.plan`. The
             size of a step's internal state in carries (the paper's alpha) is measured
             on step 0: the bytes of the tensors its autograd graph saves (read from
@@ -320,13 +320,23 @@ def scan(
             an unknown policy, leaves of ``xs`` of different lengths.
         TypeError: a carry whose structure, shape or dtype changes; a leaf that is not a
             tensor; a bad ``memory``; a step that does not return a pair.
-        NotImplementedError: under ``torch.func`` transforms (``grad``, ``vmap``, ...).
+        NotImplementedError: under ``torch.func`` transforms (``grad``, ``vmap``, ...); a
+            step that draws random numbers or modifies a tensor from outside only after
+            step 0.
+        RuntimeError: a step that modifies its ``x`` in place; (in backward) a parameter
+            or input modified in place after the forward pass, as plain autograd raises.
 
-    Where gradients go: the tensors ``step`` uses from outside are found on step 0 (a
-    ``TorchFunctionMode`` sees every torch operation's arguments); every step must use
-    the same ones (a step that branches onto other parameters later gets no gradient
-    for them). Under ``torch.no_grad()``, ``torch.inference_mode()``, or when nothing
+    Where gradients go: the tensors ``step`` uses from outside are found at every step
+    of the forward pass (a ``TorchFunctionMode`` sees every torch operation's
+    arguments). Under ``torch.no_grad()``, ``torch.inference_mode()``, or when nothing
     requires grad, nothing is stored: the plain loop runs.
+
+    Recomputation replays what the forward pass saw, as ``torch.utils.checkpoint`` does
+    and more: the random number generators' states (dropout draws the same masks, and
+    the caller's stream ends where the plain loop leaves it), the autocast settings, and
+    the buffers a step modifies in place (BatchNorm's running statistics end as the
+    plain loop leaves them). A step that modifies its carry in place (``h.mul_(0.5)``,
+    ``t += 1``) is given copies of the stored states.
 
     Transformations: ``torch.autograd`` (``backward``, ``autograd.grad``,
     ``gradcheck``), first order: a second derivative through the loop
