@@ -250,7 +250,7 @@ def fwdrev_grad(
         raise ValueError(f"{_NAME}: mode must be one of {_MODES}, got {mode!r}")
     nums, single = _argnums(argnums)
     if mode == "revrev":
-        return torch.func.grad(loss_fn, argnums, has_aux=has_aux)
+        return torch.func.grad(loss_fn, nums[0] if single else nums, has_aux=has_aux)
 
     @functools.wraps(loss_fn)
     def grad_fn(*args: Any) -> Any:
