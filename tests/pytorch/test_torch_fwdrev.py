@@ -53,10 +53,62 @@ def test_vjp_equals_reverse_over_reverse(wrt):
 
 
 def test_errors():
-    with pytest.raises(TypeError, match="inner_loss must be callable"):
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
         mt.fwdrev_grad(3)
-    with pytest.raises(TypeError, match="params must hold floating-point tensors"):
+    with pytest.raises(TypeError, match="argument 0 must hold floating-point tensors"):
         mt.fwdrev_grad(lambda p: p.sum())(torch.arange(3))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        mt.fwdrev_grad(lambda p: p.sum(), mode="fast")
+    with pytest.raises(TypeError, match="argnums must be an int or a non-empty tuple"):
+        mt.fwdrev_grad(lambda p: p.sum(), argnums=())
+    with pytest.raises(ValueError, match=r"argnums=2 is out of range for a call with 1"):
+        mt.fwdrev_grad(lambda p: p.sum(), argnums=2)(torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", ["fwdrev", "revfwd", "revrev"])
+def test_closed_over_tensor_gets_its_meta_gradient(mode):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 2, generator=g, dtype=D, requires_grad=True)
+    c = torch.randn(2, generator=g, dtype=D, requires_grad=True)  # closed over
+    base = torch.randn(5, 3, generator=g, dtype=D, requires_grad=True)
+    x = base * 2  # closed over, not a leaf
+    v = torch.randn(3, 2, generator=g, dtype=D)
+
+    def inner(w):
+        return ((torch.tanh(x @ w) * c) ** 2).sum()
+
+    ours = mt.fwdrev_grad(inner, mode=mode)(w)
+    got = torch.autograd.grad((ours * v).sum(), [w, c, base], retain_graph=True)
+    (gw,) = torch.autograd.grad(inner(w), w, create_graph=True)
+    expect = torch.autograd.grad((gw * v).sum(), [w, c, base])
+    for a, e in zip(got, expect):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["fwdrev", "revfwd", "revrev"])
+def test_argnums_has_aux_and_modes_equal_torch_func_grad(mode):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 2, generator=g, dtype=D, requires_grad=True)
+    b = torch.randn(2, generator=g, dtype=D, requires_grad=True)
+    x = torch.randn(5, 3, generator=g, dtype=D, requires_grad=True)
+
+    def loss(x, params, k):
+        w, b = params
+        out = ((torch.tanh(x @ w) + b) ** 2).sum() / k
+        return out, {"out": out.detach()}
+
+    ours, aux = mt.fwdrev_grad(loss, argnums=(0, 1), has_aux=True, mode=mode)(x, (w, b), 3)
+    ref, ref_aux = torch.func.grad(loss, argnums=(0, 1), has_aux=True)(x, (w, b), 3)
+    torch.testing.assert_close(aux["out"], ref_aux["out"], rtol=0, atol=0)
+    gx, (gw, gb) = ours
+    for a, e in zip((gx, gw, gb), (ref[0], *ref[1])):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    v = [torch.randn(t.shape, generator=g, dtype=D) for t in (x, w, b)]
+    got = torch.autograd.grad(sum((a * u).sum() for a, u in zip((gx, gw, gb), v)), [x, w, b])
+    rx, rw, rb = torch.autograd.grad(loss(x, (w, b), 3)[0], [x, w, b], create_graph=True)
+    expect = torch.autograd.grad(sum((a * u).sum() for a, u in zip((rx, rw, rb), v)), [x, w, b])
+    for a, e in zip(got, expect):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
 def test_bilevel_example_meta_gradient_equals_plain_autograd(capsys):

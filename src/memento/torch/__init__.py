@@ -6,7 +6,7 @@ imports torch (``import memento`` stays NumPy only). The schedules are
 
 - `scan`: a recurrent loop ``h, y = step(h, x)`` whose gradient follows `memento.plan`'s
   optimal HSM / ISM / MSM schedule for a budget in slots or bytes;
-- `checkpoint_sequential`: the optimal replacement for
+- `chain` (as `memento.chain`) and `checkpoint_sequential`: the optimal replacement for
   ``torch.utils.checkpoint.checkpoint_sequential``, planned with `memento.plan_chain` from
   each layer's measured cost and sizes;
 - `peak_bytes` and `LiveBytes`: the peak of live tensor bytes while a function runs, on
@@ -18,6 +18,7 @@ imports torch (``import memento`` stays NumPy only). The schedules are
 from .. import _needs_torch  # noqa: F401  (first: without it, an ImportError naming the extra)
 from ._chain import (
     ChainPlan as ChainPlan,
+    chain as chain,
     chain_plan as chain_plan,
     checkpoint_sequential as checkpoint_sequential,
 )

@@ -15,6 +15,11 @@ back-propagated right after it), and a run of such steps is back-propagated by o
 ``torch.autograd.grad`` when its bottom step's row comes: the same evaluations and the
 same saved tensors alive (the engine frees each step's as it leaves it), one call
 instead of one per step.
+What the forward pass saw is replayed (`memento.torch._replay.Context`): the autocast
+settings, the random number generators' states and the tensors the steps modify in
+place, kept at every stored state and put back when the walk resumes from it. A step
+that modifies its carry in place (`Steps.copies`) is given copies, so that no stored
+state changes; a step that modifies its ``x`` raises.
 A second backward pass through the same outputs (``retain_graph=True``, Jacobians,
 ``gradcheck``) runs the first sweep again first: its stored states were freed.
 
@@ -26,6 +31,7 @@ backward pass.
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +39,7 @@ import torch
 from ..planning import Op, Schedule
 from ..planning.internals import backward_runs, first_backward
 from ._probe import is_float
+from ._replay import AutocastState, Context, Snapshot, autocast, autocast_state
 
 
 class Record:
@@ -80,6 +87,14 @@ class Steps:
     def x_needs(self) -> list[bool]:
         return []
 
+    def copies(self, p: int) -> bool:
+        """Whether step p modifies its carry in place (it is then given copies)."""
+        return False
+
+    def grad_mode(self, p: int) -> bool:
+        """Whether step p differentiates inside (it then always runs with grad)."""
+        return False
+
     def param_index(self, p: int) -> Sequence[int]:
         """Indices into ``params`` of the tensors step p uses."""
         return range(len(self.params))
@@ -92,7 +107,7 @@ class Steps:
         return []
 
 
-def record(steps: Steps, p: int, cur: list, x: list, below: Record | None = None) -> Record:
+def record(machine: Machine, p: int, cur: list, x: list, below: Record | None = None) -> Record:
     """Step p from the state ``cur`` with its graph kept (see `Record`).
 
     With ``below`` (the record of step p-1, whose output is ``cur``), the graph starts
@@ -104,13 +119,35 @@ def record(steps: Steps, p: int, cur: list, x: list, below: Record | None = None
     else:
         below = None
         h_in = [c.detach().requires_grad_() if is_float(c) else c for c in cur]
-    x_in = [xi.detach().requires_grad_() if n else xi for xi, n in zip(x, steps.x_needs())]
+    needs = machine.steps.x_needs()
+    x_in = [xi.detach().requires_grad_() if n else xi for xi, n in zip(x, needs)]
     if torch.is_grad_enabled():  # the machine's walks enable grad once for all rows
-        carry, y = steps.call(p, h_in, x_in)
+        carry, y = machine.call(p, h_in, x_in)
     else:
         with torch.enable_grad():
-            carry, y = steps.call(p, h_in, x_in)
+            carry, y = machine.call(p, h_in, x_in)
     return Record(p, h_in, x_in, carry, y, linked=below is not None)
+
+
+@contextlib.contextmanager
+def _no_cast_cache():
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+def check_x(name: str, p: int, x: list, versions: list[int]) -> None:
+    """Raises if step p modified one of its ``x`` leaves in place."""
+    for j, (t, v) in enumerate(zip(x, versions)):
+        if t._version != v:
+            raise RuntimeError(
+                f"{name}: step {p} modified its input x (leaf {j} of xs) in place; the "
+                "backward pass recomputes steps from xs and would read the modified "
+                "values. Compute out of place (x = x * 2 instead of x.mul_(2))."
+            )
 
 
 # The opcodes as plain ints: compared once per row.
@@ -145,18 +182,21 @@ class Machine:
 
     Runs of backward steps marked by `memento.planning.internals.backward_runs` are recorded as
     one graph and back-propagated by one ``torch.autograd.grad``: a call per run rather
-    than per step (a call costs tens of microseconds of Python and engine set-up, as
-    much as a small step's arithmetic).
+    than per step (each call has a fixed cost of Python and engine set-up).
     """
 
-    def __init__(self, steps: Steps, h0: list, schedule: Schedule):
-        self.steps = steps
+    def __init__(self, steps: Steps, h0: list, schedule: Schedule, context: Context, name: str):
+        self.steps, self.context, self.name = steps, context, name
         self.h0 = [h.detach() for h in h0]
         self.rows, self.first, self.links = _rows(schedule)
         self.cur: list = list(self.h0)
         self.below: Record | None = None  # the record whose output ``cur`` is
         self.hidden: dict[int, list] = {}
         self.internal: dict[int, Record] = {}
+        # What the context was at each stored state (when it has anything to replay).
+        self.snaps: dict[tuple[int, int], Snapshot] = {}
+        self.at_start = True  # ``cur`` is h0, and the context is ``context.start``
+        self.amp: AutocastState | None = None  # autocast to enter around each step
         self.working: Record | None = None
         self.pre: Record | None = None  # step 0 evaluated by the probe
         self.evaluations = 0
@@ -168,6 +208,30 @@ class Machine:
 
     # -- evaluations ------------------------------------------------------------------
 
+    def call(self, p: int, h: list, x: list) -> tuple[list, list]:
+        """Step p as the forward pass ran it: on copies of the carry if it modifies it
+        in place, under the forward pass's autocast; raises if it modifies ``x``."""
+        steps = self.steps
+        copies = steps.copies(p)
+        if copies:
+            h = [t.clone() for t in h]
+        else:
+            h_versions = [t._version for t in h]
+        x_versions = [t._version for t in x]
+        if self.amp is None:
+            out = steps.call(p, h, x)
+        else:
+            with autocast(self.amp):
+                out = steps.call(p, h, x)
+        check_x(self.name, p, x, x_versions)
+        if not copies and any(t._version != v for t, v in zip(h, h_versions)):
+            raise RuntimeError(
+                f"{self.name}: step {p} modified its carry in place, which its first "
+                "evaluation did not; the stored states would change. Compute out of place "
+                "(h = h * 2 instead of h.mul_(2)), or in place at every step."
+            )
+        return out
+
     def _advance(self, start: int, stop: int, emit: Callable | None = None) -> None:
         """Steps ``start .. stop - 1`` under ``no_grad`` from ``cur``, only the carry
         kept (and each ``y`` passed to ``emit``, in the first sweep)."""
@@ -178,13 +242,20 @@ class Machine:
                 emit(start, [y.detach() for y in self.pre.y])
             self.pre = None
             start += 1
+        self.at_start = False
         self.evaluations += stop - start
-        call, x = self.steps.call, self.steps.x
-        with torch.no_grad():
-            for q in range(start, stop):
-                cur, y = call(q, cur, x(q))
-                if emit is not None:
-                    emit(q, y)
+        x, steps = self.steps.x, self.steps
+        for q in range(start, stop):
+            if steps.grad_mode(q):  # the step differentiates: its inputs require grad
+                rec = record(self, q, cur, x(q))
+                cur, y = rec.out, [t.detach() for t in rec.y]
+            else:
+                # No cached autocast casts here: a cast made under no_grad would be
+                # reused, without its graph, by the steps recorded after it.
+                with torch.no_grad(), _no_cast_cache():
+                    cur, y = self.call(q, cur, x(q))
+            if emit is not None:
+                emit(q, y)
         self.cur = [c.detach() for c in cur]  # a step may return a tensor needing grad
 
     def _record(self, p: int, i: int) -> Record:
@@ -194,17 +265,39 @@ class Machine:
             rec, self.pre = self.pre, None
         else:
             self.evaluations += 1
-            rec = record(self.steps, p, self.cur, self.steps.x(p), below)
+            rec = record(self, p, self.cur, self.steps.x(p), below)
+        self.at_start = False
         self.below = rec
         return rec
+
+    # -- the context at stored states -------------------------------------------------
+
+    def _keep(self, kind: int, arg: int) -> None:
+        if self.context.active:
+            self.snaps[kind, arg] = self.context.start if self.at_start else self.context.save()
+
+    def _resume(self, kind: int, arg: int) -> None:
+        if self.context.active:
+            self.context.load(self.context.start if arg == -1 else self.snaps[kind, arg])
+
+    def _drop(self, kind: int, arg: int) -> None:
+        self.snaps.pop((kind, arg), None)
 
     # -- the rows ---------------------------------------------------------------------
 
     def sweep(self, *, emit_ys: bool = True) -> list:
-        """Runs the first sweep; returns the output state (every ``y`` emitted)."""
+        """Runs the first sweep; returns the output state (every ``y`` emitted).
+
+        The first time, the caller's context is the forward pass's; a second sweep (a
+        second backward pass) starts from ``context.start``.
+        """
+        if not emit_ys and self.context.active:
+            self.context.load(self.context.start)
         self.cur, self.working, self.below = list(self.h0), None, None
+        self.at_start = True
         self.hidden.clear()
         self.internal.clear()
+        self.snaps.clear()
         emit = self.steps.emit if emit_ys else None
         with torch.enable_grad():
             self._sweep(emit)
@@ -218,8 +311,10 @@ class Machine:
                 self._advance(pos, pos + arg, emit)
             elif op == _SAVE_HIDDEN:
                 self.hidden[arg] = self.cur
+                self._keep(_SAVE_HIDDEN, arg)
             elif op == _SAVE_INTERNAL:
                 rec = self.internal[arg] = self._record(pos, i)
+                self._keep(_SAVE_INTERNAL, arg)
                 if emit is not None:
                     emit(pos, [y.detach() for y in rec.y])
                 self.cur = rec.out
@@ -230,8 +325,10 @@ class Machine:
                 self.cur = rec.out
             elif op == _FREE_HIDDEN:
                 del self.hidden[arg]
+                self._drop(_SAVE_HIDDEN, arg)
             elif op == _FREE_INTERNAL:
                 del self.internal[arg]
+                self._drop(_SAVE_INTERNAL, arg)
             # BACKWARD_INTERNAL ends the sweep; the current state is that slot's output.
 
     def backward(self, ct: list, param_needs: list[bool]) -> None:
@@ -251,6 +348,7 @@ class Machine:
         assert not self._run, "a run of backward steps was left without its bottom step"
         self.hidden.clear()
         self.internal.clear()
+        self.snaps.clear()
 
     def _walk_backward(self) -> None:
         for i in range(self.first, len(self.rows)):
@@ -260,15 +358,19 @@ class Machine:
                 self._advance(pos, pos + arg)
             elif op == _SAVE_HIDDEN:
                 self.hidden[arg] = self.cur
+                self._keep(_SAVE_HIDDEN, arg)
             elif op == _SAVE_INTERNAL:
                 rec = self.internal[arg] = self._record(pos, i)
+                self._keep(_SAVE_INTERNAL, arg)
                 self.cur = rec.out
             elif op == _LOAD_HIDDEN:
                 self.below = None
                 self.cur = self.h0 if arg == -1 else self.hidden[arg]
+                self._resume(_SAVE_HIDDEN, arg)
             elif op == _LOAD_INTERNAL:
                 self.below = self.internal[arg]
                 self.cur = self.below.out
+                self._resume(_SAVE_INTERNAL, arg)
             elif op == _BACKWARD_INTERNAL:
                 self.below = None
                 self._backward(self.internal[arg])
@@ -278,8 +380,10 @@ class Machine:
                 self._backward(rec)
             elif op == _FREE_HIDDEN:
                 del self.hidden[arg]
+                self._drop(_SAVE_HIDDEN, arg)
             elif op == _FREE_INTERNAL:
                 del self.internal[arg]
+                self._drop(_SAVE_INTERNAL, arg)
 
     def _backward(self, rec: Record) -> None:
         """Back-propagates ``rec``, with the run of linked records above it, in one
@@ -361,10 +465,17 @@ def make_function(name: str) -> type[torch.autograd.Function]:
                     "supported. Use memory=None (plain autograd) for higher derivatives."
                 )
             machine, grads = ctx.machine, ctx.grads
-            if ctx.used:  # the states stored were freed: store them again
-                machine.sweep(emit_ys=False)
-            ctx.used = True
-            return (None, None, None, *grads(machine, list(cts), ctx.needs_input_grad[3:]))
+            context = machine.context
+            context.check_versions(name)
+            now = autocast_state()
+            machine.amp = None if now == context.autocast else context.autocast
+            with context.replaying():
+                if ctx.used:  # the states stored were freed: store them again
+                    machine.sweep(emit_ys=False)
+                ctx.used = True
+                out = grads(machine, list(cts), ctx.needs_input_grad[3:])
+            machine.amp = None
+            return (None, None, None, *out)
 
     Run.__name__ = Run.__qualname__ = name.replace(".", "_")
     return Run

@@ -52,15 +52,26 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors(o)
 
 
+# Functions through which a step differentiates something itself (a force field, a
+# Hamiltonian): recomputations of such a step need grad mode and inputs requiring grad.
+_GRAD_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
 class Closure(TorchFunctionMode):
-    """Collects the tensors requiring grad that a function uses without being given them.
+    """Collects the tensors a function uses without being given them.
 
     Every torch operation (functions, methods, ``nn.functional``, ``_VF`` calls such as
-    ``nn.LSTMCell``'s) passes its arguments through this mode. An argument that requires
-    grad, is not one of ``inputs``, and was not produced by an earlier operation inside
-    the mode comes from outside: a module parameter, a closed-over tensor (leaf or not).
-    Operations inside ``torch.func`` transforms (a `fwdrev_grad` inside a step) are
-    skipped: their tensors are functorch's wrappers of the step's own.
+    ``nn.LSTMCell``'s) passes its arguments through this mode. An argument that is not one
+    of ``inputs`` and was not produced by an earlier operation inside the mode comes from
+    outside: a module parameter or buffer, a closed-over tensor (leaf or not). Those that
+    require grad are ``tensors``; the version of each is noted when first seen, so that
+    ``mutated`` lists those the function modified in place (BatchNorm's running
+    statistics). Inside ``torch.func`` transforms (a `fwdrev_grad` inside a step),
+    functorch's wrappers of the step's own tensors are skipped; the tensors they close
+    over are not.
+
+    Attributes:
+        calls_grad: whether the function called ``torch.autograd.grad`` or ``backward``.
     """
 
     def __init__(self, inputs: Iterable[torch.Tensor]):
@@ -68,18 +79,22 @@ class Closure(TorchFunctionMode):
         self._known = {id(t) for t in inputs}
         self._keep: list[torch.Tensor] = list(inputs)  # ids stay unique while we look
         self.found: dict[int, torch.Tensor] = {}
+        self.outside: dict[int, tuple[torch.Tensor, int]] = {}
+        self.calls_grad = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch._C._are_functorch_transforms_active():
-            for t in tensors((args, kwargs)):
-                if (
-                    t.requires_grad
-                    and id(t) not in self._known
-                    and id(t) not in self.found
-                    and not _functorch.is_functorch_wrapped_tensor(t)
-                ):
-                    self.found[id(t)] = t
+        if func in _GRAD_FUNCS:
+            self.calls_grad = True
+        for t in tensors((args, kwargs)):
+            i = id(t)
+            if i in self._known or i in self.outside:
+                continue
+            if _functorch.is_functorch_wrapped_tensor(t) or t.is_inference():
+                continue
+            self.outside[i] = (t, t._version)
+            if t.requires_grad:
+                self.found[i] = t
         out = func(*args, **kwargs)
         for t in tensors(out):
             self._known.add(id(t))
@@ -96,6 +111,55 @@ class Closure(TorchFunctionMode):
     @property
     def tensors(self) -> list[torch.Tensor]:
         return list(self.found.values())
+
+    @property
+    def read(self) -> list[torch.Tensor]:
+        """Every tensor from outside, requiring grad or not."""
+        return [t for t, _ in self.outside.values()]
+
+    @property
+    def mutated(self) -> list[torch.Tensor]:
+        """The tensors from outside that the function modified in place."""
+        return [t for t, v in self.outside.values() if t._version != v]
+
+
+class Outside:
+    """Tells the tensors a step closes over from those it computed out of its inputs by
+    operations a `Closure` does not see (a custom ``autograd.Function``'s outputs).
+
+    A tensor requiring grad comes from outside when its autograd graph does not reach the
+    step's inputs. Nodes found not to reach them are remembered (and held, so that their
+    ids stay theirs): a graph made before a step cannot reach a later step's inputs.
+    """
+
+    def __init__(self):
+        self._far: dict[int, Any] = {}
+
+    def filter(self, found: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]):
+        found = list(found)
+        if all(t.grad_fn is None for t in found):
+            return found
+        inputs = list(inputs)
+        nodes = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+        leaves = {id(t) for t in inputs if t.grad_fn is None}
+        return [t for t in found if not self._reaches(t, nodes, leaves)]
+
+    def _reaches(self, t: torch.Tensor, nodes: set[int], leaves: set[int]) -> bool:
+        if t.grad_fn is None:
+            return False
+        seen: dict[int, Any] = {}
+        todo = [t.grad_fn]
+        while todo:
+            node = todo.pop()
+            key = id(node)
+            if key in seen or key in self._far:
+                continue
+            if key in nodes or id(getattr(node, "variable", None)) in leaves:
+                return True
+            seen[key] = node
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+        self._far.update(seen)
+        return False
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

@@ -4,7 +4,7 @@ checkpointing schedule (Gruslys et al. 2016) under a memory budget."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,14 +18,20 @@ from ..planning.internals import (
     to_slots,
 )
 from . import _tree
-from ._machine import Machine, Record, Steps, make_function
-from ._probe import Closure, Storages, is_float, nbytes, refuse_functorch
+from ._machine import Machine, Record, Steps, check_x, make_function
+from ._probe import Closure, Outside, Storages, is_float, nbytes, refuse_functorch
+from ._replay import Context, Snapshots, rng_moved, rng_state, set_rng_state
 
 _NAME = "memento.torch.scan"
 
 
 class _Loop(Steps):
-    """The loop ``h, y = step(h, x)`` as the machine sees it (see `Steps`)."""
+    """The loop ``h, y = step(h, x)`` as the machine sees it (see `Steps`).
+
+    While ``watching`` (the first sweep), every step runs under a `Closure` that finds
+    the tensors it uses from outside: parameters first used after step 0 are added to
+    ``params``; ``read`` and ``mutated`` gather every outside tensor read and modified.
+    """
 
     def __init__(self, step, h_tree, x_leaves, x_tree, num_steps):
         self.step, self.h_tree, self.x_tree = step, h_tree, x_tree
@@ -33,18 +39,43 @@ class _Loop(Steps):
         self._xs = [x.detach() for x in x_leaves]  # xs[p] is then a view with no graph
         self._x_needs = [x.requires_grad and is_float(x) for x in x_leaves]
         self.params: list[torch.Tensor] = []
+        self.read: dict[int, torch.Tensor] = {}
+        self.mutated: dict[int, torch.Tensor] = {}
+        self.copy = False  # the step modifies its carry in place
+        self.needs_grad = False  # the step calls torch.autograd.grad itself
+        self.watching = False
+        self.outside = Outside()
         self.ys: list[torch.Tensor] = []
         self.y_tree: _tree.TreeDef = ("none",)
         self.ct_ys: list = []
 
+    def found(self, closure: Closure, inputs: list[torch.Tensor]) -> None:
+        """Adds what ``closure`` saw a step (on ``inputs``) use from outside."""
+        known = {id(t) for t in self.params}
+        new = [t for t in closure.tensors if is_float(t) and id(t) not in known]
+        self.params += self.outside.filter(new, inputs)
+        self.read.update((id(t), t) for t in closure.read)
+        self.mutated.update((id(t), t) for t in closure.mutated)
+
     def call(self, p, h, x):
-        carry, y = _call(
-            self.step, _tree.unflatten(self.h_tree, h), _tree.unflatten(self.x_tree, x)
-        )
+        h_tree, x_tree = _tree.unflatten(self.h_tree, h), _tree.unflatten(self.x_tree, x)
+        if self.watching:
+            closure = Closure([*h, *x])
+            with closure:
+                carry, y = _call(self.step, h_tree, x_tree)
+            self.found(closure, [*h, *x])
+        else:
+            carry, y = _call(self.step, h_tree, x_tree)
         # The structure was checked on step 0 (`_probe`); leaves are all that is read.
         return _tree.leaves(carry, name=_NAME, what="the carry"), (
             [] if y is None else _tree.leaves(y, name=_NAME, what="y")
         )
+
+    def copies(self, p):
+        return self.copy
+
+    def grad_mode(self, p):
+        return self.needs_grad
 
     def x(self, p):
         return [x[p] for x in self._xs]
@@ -107,7 +138,7 @@ def _check_carry(h0: list[torch.Tensor], h0_tree, carry, carry_tree) -> None:
 
 
 def _plain(step, h0, xs, x_leaves, x_tree, num_steps, *, start=None):
-    """The loop with nothing stored for backward (no grad wanted, or grad disabled)."""
+    """The loop as written (after ``start``: step 0's carry and y, when given)."""
     h = h0
     ys: list = []
     first = 0
@@ -115,10 +146,9 @@ def _plain(step, h0, xs, x_leaves, x_tree, num_steps, *, start=None):
         h, y0 = start
         ys.append(y0)
         first = 1
-    with torch.no_grad():
-        for p in range(first, num_steps):
-            h, y = _call(step, h, _tree.unflatten(x_tree, [x[p] for x in x_leaves]))
-            ys.append(y)
+    for p in range(first, num_steps):
+        h, y = _call(step, h, _tree.unflatten(x_tree, [x[p] for x in x_leaves]))
+        ys.append(y)
     y_leaves = [_tree.flatten(y, name=_NAME, what="y") for y in ys]
     stacked = [torch.stack(leaves) for leaves in zip(*(l for l, _ in y_leaves))]
     return h, _tree.unflatten(y_leaves[0][1], stacked) if y_leaves else None
@@ -138,37 +168,60 @@ def _prepare(step, h0, xs, memory, policy, length, *, name: str = _NAME):
     return loop, h_leaves, h_tree, budget, policy, num_steps
 
 
-def _probe(
-    loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str
-):
-    """Step 0 with grad, the tensors it closes over, alpha, and the schedule.
+class _Probe(NamedTuple):
+    rec0: Record
+    schedule: Schedule | None
+    context: Context
+    rng_before: Any
+
+
+def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str):
+    """Step 0 with grad: the tensors it uses from outside, whether it modifies its carry,
+    draws random numbers or modifies buffers, alpha, and the schedule.
 
     The probe is step 0's evaluation in the first sweep (`Machine.pre`): the schedule's
-    evaluations are all the loop makes.
+    evaluations are all the loop makes. It runs on copies of the carry, so that a step
+    modifying its carry in place is seen doing so (and then always given copies).
     """
     x0 = loop.x(0)
     x_in = [x.requires_grad_() if n else x for x, n in zip(x0, loop.x_needs())]
     h_in = [h.detach().requires_grad_() if is_float(h) else h.detach() for h in h_leaves]
-    closure = Closure([*h_in, *x_in])
-    with torch.enable_grad(), closure:
+    with torch.enable_grad():
+        h_call = [h.clone() for h in h_in]
+    h_versions = [h._version for h in h_call]
+    x_versions = [x._version for x in x_in]
+    closure, snapshots = Closure([*h_in, *h_call, *x_in]), Snapshots()
+    rng_before = rng_state()
+    with torch.enable_grad(), snapshots, closure:
         carry, y = _call(
-            loop.step, _tree.unflatten(h_tree, h_in), _tree.unflatten(loop.x_tree, x_in)
+            loop.step, _tree.unflatten(h_tree, h_call), _tree.unflatten(loop.x_tree, x_in)
         )
+    check_x(name, 0, x_in, x_versions)
+    loop.copy = any(h._version != v for h, v in zip(h_call, h_versions))
+    loop.needs_grad = closure.calls_grad
     carry_leaves, carry_tree = _tree.flatten(carry, name=name, what="the carry")
     y_leaves, loop.y_tree = _tree.flatten(y, name=name, what="y")
     _check_carry(h_leaves, h_tree, carry_leaves, carry_tree)
     rec0 = Record(0, h_in, x_in, carry_leaves, y_leaves)
-    loop.params = [t for t in closure.tensors if is_float(t)]
+    loop.found(closure, [*h_in, *h_call, *x_in])
+    rng = rng_moved(rng_before, rng_state())
+    # What step 0 modified in place besides its inputs, by the operations' schemas
+    # (BatchNorm's kernel writes its running statistics without a version bump).
+    ours = {id(t) for t in (*h_in, *h_call, *x_in)}
+    state = [t for t, _ in snapshots.saved.values() if id(t) not in ours]
+    old = [v for t, v in snapshots.saved.values() if id(t) not in ours]
+    context = Context(rng=rng, state=state, start=(rng_before if rng else None, old))
     carry_bytes = nbytes(h_leaves)
     # The internal state: what a `Record` holds, i.e. what autograd saved, the input carry
     # and y (the parameters and xs excluded: they are held anyway), plus the output carry.
+    # The copies of the carry stand for it unless the step modifies them.
     saved = Storages()
     saved.add([*h_in, *y_leaves])
-    saved.add_graph([*carry_leaves, *y_leaves], closure.tensors)
-    residual = saved.bytes_except(loop.params, loop.x_leaves, carry_leaves)
+    saved.add_graph([*carry_leaves, *y_leaves], loop.params)
+    copies = [] if loop.copy else h_call
+    residual = saved.bytes_except(loop.params, loop.x_leaves, carry_leaves, copies)
     alpha = internal_slots(residual, carry_bytes)
     schedule = None
-    slots = 0
     if budget is not None and loop.num_steps > 0:
         slots = to_slots(budget, carry_bytes, name=name, need=loop.num_steps * alpha)
         # Above storing every internal state (and h_0) nothing is gained: cap the budget.
@@ -178,7 +231,30 @@ def _probe(
         schedule = choose_schedule(
             loop.num_steps, slots, alpha, policy, name=name, charges=Charges(internal=0.0)
         )
-    return rec0, schedule, alpha, residual + carry_bytes
+    return _Probe(rec0, schedule, context, rng_before), snapshots
+
+
+def _check_sweep(loop: _Loop, probe: _Probe, *, name: str) -> None:
+    """Raises if a step after step 0 drew random numbers or modified a tensor from
+    outside when step 0 did not: their values at the stored states were not kept."""
+    context = probe.context
+    if not context.rng and rng_moved(probe.rng_before, rng_state()):
+        raise NotImplementedError(
+            f"{name}: a step after step 0 drew random numbers, and step 0 did not; the "
+            "random number generator's state is kept for recomputation only when step 0 "
+            "draws. Draw at every step (e.g. dropout at every step), or pass the random "
+            "numbers in xs."
+        )
+    state = {id(t) for t in context.state}
+    late = [t for i, t in loop.mutated.items() if i not in state]
+    if late:
+        t = late[0]
+        raise NotImplementedError(
+            f"{name}: a step after step 0 modified a tensor from outside in place (a "
+            f"{t.dtype} tensor of shape {tuple(t.shape)}) that step 0 did not modify; its "
+            "values are kept for recomputation only when step 0 modifies it. Modify it at "
+            "every step, or carry it in the loop's state."
+        )
 
 
 _Run = make_function(_NAME)
@@ -190,7 +266,7 @@ def scan(
     h0: Any,
     xs: Any = None,
     *,
-    memory: int | str | Bytes | None,
+    memory: int | str | Bytes | None = None,
     policy: Policy = "auto",
     length: int | None = None,
 ) -> tuple[Any, Any]:
@@ -216,16 +292,16 @@ def scan(
 
     Args:
         step: ``(h, x) -> (h, y)``: ``h`` keeps its structure, shapes and dtypes; ``y`` a
-            tensor, a nested tuple/list/dict of tensors, or ``None``. It must be
-            deterministic (it is recomputed): random draws (dropout) belong in ``xs``.
+            tensor, a nested tuple/list/dict of tensors, or ``None``.
         h0: the initial carry: a tensor or nested tuples, lists, dicts of tensors.
         xs: the per-step inputs, leaves with a leading axis of the number of steps, or
             ``None`` with ``length``.
-        memory: what the backward pass may keep, ``h0`` included. An ``int``: slots of one
-            carry (the paper's m; 1 recomputes from ``h0`` for every step). A string such
-            as ``"16MiB"`` or ``memento.bytes_budget(n)``: bytes, turned into slots from
-            the carry's size. A budget above what storing every step takes is capped
-            there. ``None``: the plain loop, autograd storing everything.
+        memory: what the backward pass may keep, ``h0`` included. ``None`` (the
+            default, as `memento.scan`): the plain loop, autograd storing everything. An
+            ``int``: slots of one carry (the paper's m; 1 recomputes from ``h0`` for
+            every step). A string such as ``"16MiB"`` or ``memento.bytes_budget(n)``:
+            bytes, turned into slots from the carry's size. A budget above what storing
+            every step takes is capped there.
         policy: ``"auto"``, ``"hsm"``, ``"ism"`` or ``"msm"``, as `memento.plan`. The
             size of a step's internal state in carries (the paper's alpha) is measured
             on step 0: the bytes of the tensors its autograd graph saves (read from
@@ -242,13 +318,23 @@ def scan(
             an unknown policy, leaves of ``xs`` of different lengths.
         TypeError: a carry whose structure, shape or dtype changes; a leaf that is not a
             tensor; a bad ``memory``; a step that does not return a pair.
-        NotImplementedError: under ``torch.func`` transforms (``grad``, ``vmap``, ...).
+        NotImplementedError: under ``torch.func`` transforms (``grad``, ``vmap``, ...); a
+            step that draws random numbers or modifies a tensor from outside only after
+            step 0.
+        RuntimeError: a step that modifies its ``x`` in place; (in backward) a parameter
+            or input modified in place after the forward pass, as plain autograd raises.
 
-    Where gradients go: the tensors ``step`` uses from outside are found on step 0 (a
-    ``TorchFunctionMode`` sees every torch operation's arguments); every step must use
-    the same ones (a step that branches onto other parameters later gets no gradient
-    for them). Under ``torch.no_grad()``, ``torch.inference_mode()``, or when nothing
+    Where gradients go: the tensors ``step`` uses from outside are found at every step
+    of the forward pass (a ``TorchFunctionMode`` sees every torch operation's
+    arguments). Under ``torch.no_grad()``, ``torch.inference_mode()``, or when nothing
     requires grad, nothing is stored: the plain loop runs.
+
+    Recomputation replays what the forward pass saw, as ``torch.utils.checkpoint`` does
+    and more: the random number generators' states (dropout draws the same masks, and
+    the caller's stream ends where the plain loop leaves it), the autocast settings, and
+    the buffers a step modifies in place (BatchNorm's running statistics end as the
+    plain loop leaves them). A step that modifies its carry in place (``h.mul_(0.5)``,
+    ``t += 1``) is given copies of the stored states.
 
     Transformations: ``torch.autograd`` (``backward``, ``autograd.grad``,
     ``gradcheck``), first order: a second derivative through the loop
@@ -266,24 +352,22 @@ def scan(
         step, h0, xs, memory, policy, length
     )
     if num_steps == 0:
-        # The shape of ys: one evaluation on zeros, under no_grad, discarded.
+        # The shape of ys: one evaluation on zeros, under no_grad, discarded (the RNG and
+        # what it modifies in place are put back).
         x = [torch.zeros(x.shape[1:], dtype=x.dtype, device=x.device) for x in loop.x_leaves]
-        with torch.no_grad():
-            _, y = _call(step, h0, _tree.unflatten(loop.x_tree, x))
+        h = _tree.unflatten(h_tree, [h.detach().clone() for h in h_leaves])
+        rng, snapshots = rng_state(), Snapshots()
+        with torch.no_grad(), snapshots:
+            _, y = _call(step, h, _tree.unflatten(loop.x_tree, x))
+        snapshots.restore()
+        set_rng_state(rng)
         y_leaves, y_tree = _tree.flatten(y, name=_NAME, what="y")
         empty = [torch.zeros((0, *y.shape), dtype=y.dtype, device=y.device) for y in y_leaves]
         return h0, _tree.unflatten(y_tree, empty)
-    if budget is None or not torch.is_grad_enabled():
-        if budget is None and torch.is_grad_enabled():  # autograd stores everything
-            h, ys = h0, []
-            for p in range(num_steps):
-                h, y = _call(step, h, _tree.unflatten(loop.x_tree, [x[p] for x in loop.x_leaves]))
-                ys.append(y)
-            pairs = [_tree.flatten(y, name=_NAME, what="y") for y in ys]
-            stacked = [torch.stack(l) for l in zip(*(l for l, _ in pairs))]
-            return h, _tree.unflatten(pairs[0][1], stacked)
+    if budget is None or not torch.is_grad_enabled():  # autograd stores everything, or nothing
         return _plain(step, h0, xs, loop.x_leaves, loop.x_tree, num_steps)
-    rec0, schedule, _, _ = _probe(loop, h_leaves, h_tree, budget, policy, name=_NAME)
+    probe, _ = _probe(loop, h_leaves, h_tree, budget, policy, name=_NAME)
+    rec0, schedule, context = probe.rec0, probe.schedule, probe.context
     assert schedule is not None
     wants = [t.requires_grad for t in (*h_leaves, *loop.x_leaves)] + [True] * len(loop.params)
     if not any(wants):  # nothing to differentiate: finish as a plain loop
@@ -293,9 +377,15 @@ def scan(
         )
         return _plain(step, h0, xs, loop.x_leaves, loop.x_tree, num_steps, start=start)
     loop.ys = [torch.empty((num_steps, *y.shape), dtype=y.dtype, device=y.device) for y in rec0.y]
-    machine = Machine(loop, h_leaves, schedule)
+    machine = Machine(loop, h_leaves, schedule, context, _NAME)
     machine.pre = rec0
-    machine.sweep()
+    loop.watching = True
+    try:
+        machine.sweep()
+    finally:
+        loop.watching = False
+    _check_sweep(loop, probe, name=_NAME)
+    context.watch_versions([loop.params, loop.read.values(), h_leaves, loop.x_leaves])
     n_h, n_x = len(h_leaves), len(loop.x_leaves)
 
     def outputs(m: Machine):
@@ -351,6 +441,8 @@ def scan_schedule(
     if num_steps == 0:
         raise ValueError(f"{name}: xs has 0 steps; there is nothing to plan")
     assert budget is not None
-    schedule = _probe(loop, h_leaves, h_tree, budget, policy, name=name)[1]
-    assert schedule is not None
-    return schedule
+    probe, snapshots = _probe(loop, h_leaves, h_tree, budget, policy, name=name)
+    snapshots.restore()  # only measured: the buffers and the RNG are as they were
+    set_rng_state(probe.rng_before)
+    assert probe.schedule is not None
+    return probe.schedule
