@@ -366,62 +366,27 @@ def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict
 
     args = body.make(num_steps)
     cap = args_.max_run_bytes
-    methods: dict[str, Method] = {}
+    peers = {}
     for name, run in peer_runs(num_steps).items():
-        methods[name] = compile_grad(loss_of(body.cell, run), args, cap)
-        _log(f"  {name}: temp {methods[name].temp_bytes} B")
-    peers = dict(methods)
+        peers[name] = compile_grad(loss_of(body.cell, run), args, cap)
+        _log(f"  {name}: temp {peers[name].temp_bytes} B")
+    methods = dict(peers)
     budgets = []
-    for label, (idiom, fraction, reference, target) in BUDGETS.items():
-        budget = int(peers[idiom].temp_bytes * fraction)
-        entry = {
-            "budget": label,
-            "budget_bytes": budget,
-            "budget_of": idiom,
-            "fraction": fraction,
-            "time_reference": reference,
-            "time_target": target,
-            "memento": {},
-        }
-        for executor in args_.executors.split(","):
-            if not support[executor]:
-                entry["memento"][executor] = {"status": "unsupported"}
-                continue
-            key = f"memento {executor} @ {label}"
-            try:
-                methods[key] = compile_grad(
-                    loss_of(body.cell, memento_run(budget, executor)), args, cap
-                )
-            except ValueError as e:
-                entry["memento"][executor] = {"status": "refused", "message": str(e)}
-                _log(f"  {key}: refused ({e})")
-                continue
-            entry["memento"][executor] = {
-                "status": "ok",
-                "method": key,
-                "plan": schedule_of(body, args, budget, executor),
-            }
-            _log(f"  {key}: temp {methods[key].temp_bytes} B (budget {budget} B)")
+    for label in BUDGETS:
+        entry, compiled = memento_at(body, args, label, peers, args_.executors, support, cap)
         budgets.append(entry)
-
-    # Every gradient against lax.scan's (or the first peer that ran, past the memory cap).
-    ran = [n for n in PEERS if n in peers and peers[n].grad is not None]
-    reference = ran[0] if ran else None
-    errors = {}
-    if reference is not None:
-        for name, m in methods.items():
-            if m.grad is not None:
-                errors[name] = check_gradient(
-                    f"{body.name} T={num_steps}: {name} against {reference}",
-                    m.grad,
-                    methods[reference].grad,
-                )
+        methods |= compiled
+    reference, errors = check_gradients(f"{body.name} T={num_steps}", peers, methods)
 
     calls = {n: m.call for n, m in methods.items() if m.call is not None}
     times = _common.time_round_robin(calls, repeats=args_.rounds) if calls else {}
     seconds = {n: _common.median(v) for n, v in times.items()}
-
-    result = {
+    for entry in budgets:
+        for record in entry["memento"].values():
+            if record["status"] == "ok":
+                score(record, entry, methods, seconds, errors)
+    jax.clear_caches()
+    return {
         "body": body.name,
         "label": body.label,
         "T": num_steps,
@@ -439,30 +404,86 @@ def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict
         },
         "budgets": budgets,
     }
-    for entry in budgets:
-        ref_time = seconds.get(entry["time_reference"])
-        for record in entry["memento"].values():
-            if record["status"] != "ok":
-                continue
-            key = record.pop("method")
-            m = methods[key]
-            t = seconds.get(key)
-            ratio = t / ref_time if t is not None and ref_time else None
-            record.update(
-                temp_bytes=m.temp_bytes,
-                temp_over_budget=m.temp_bytes / entry["budget_bytes"]
-                if entry["budget_bytes"]
-                else None,
-                time_s=t,
-                time_ratio=ratio,
-                compile_s=m.compile_s,
-                grad_error=errors.get(key),
-                temp_ok=within_bytes(m.temp_bytes, entry["budget_bytes"]),
-                time_ok=None if ratio is None else ratio <= entry["time_target"],
+
+
+def memento_at(
+    body: Body, args: tuple, label: str, peers: dict, executors: str, support: dict, cap: int
+) -> tuple[dict, dict[str, Method]]:
+    """memento's gradient compiled at one of `BUDGETS`, with each executor of
+    ``executors`` (comma-separated); a budget it refuses is recorded with the message.
+
+    Returns:
+        The budget's entry (one record per executor, filled in by `score` once timed) and
+        the compiled gradients by method name.
+    """
+    idiom, fraction, reference, target = BUDGETS[label]
+    budget = int(peers[idiom].temp_bytes * fraction)
+    entry = {
+        "budget": label,
+        "budget_bytes": budget,
+        "budget_of": idiom,
+        "fraction": fraction,
+        "time_reference": reference,
+        "time_target": target,
+        "memento": {},
+    }
+    compiled = {}
+    for executor in executors.split(","):
+        if not support[executor]:
+            entry["memento"][executor] = {"status": "unsupported"}
+            continue
+        key = f"memento {executor} @ {label}"
+        try:
+            compiled[key] = compile_grad(
+                loss_of(body.cell, memento_run(budget, executor)), args, cap
             )
-            record["pass"] = bool(record["temp_ok"] and record["time_ok"])
-    jax.clear_caches()
-    return result
+        except ValueError as e:
+            entry["memento"][executor] = {"status": "refused", "message": str(e)}
+            _log(f"  {key}: refused ({e})")
+            continue
+        plan = schedule_of(body, args, budget, executor)
+        entry["memento"][executor] = {"status": "ok", "method": key, "plan": plan}
+        _log(f"  {key}: temp {compiled[key].temp_bytes} B (budget {budget} B)")
+    return entry, compiled
+
+
+def check_gradients(where: str, peers: dict, methods: dict) -> tuple[str | None, dict]:
+    """Every gradient that ran against lax.scan's (or, past the memory cap, the first peer
+    that ran); raises AssertionError on a mismatch.
+
+    Returns:
+        The reference's name and each method's largest relative error.
+    """
+    ran = [n for n in PEERS if n in peers and peers[n].grad is not None]
+    if not ran:
+        return None, {}
+    reference = methods[ran[0]].grad
+    errors = {
+        name: check_gradient(f"{where}: {name} against {ran[0]}", m.grad, reference)
+        for name, m in methods.items()
+        if m.grad is not None
+    }
+    return ran[0], errors
+
+
+def score(record: dict, entry: dict, methods: dict, seconds: dict, errors: dict) -> None:
+    """Fills a memento record: bytes and time as ratios, and whether each target holds."""
+    key = record.pop("method")
+    m = methods[key]
+    t, ref_time = seconds.get(key), seconds.get(entry["time_reference"])
+    ratio = t / ref_time if t is not None and ref_time else None
+    budget = entry["budget_bytes"]
+    record.update(
+        temp_bytes=m.temp_bytes,
+        temp_over_budget=m.temp_bytes / budget if budget else None,
+        time_s=t,
+        time_ratio=ratio,
+        compile_s=m.compile_s,
+        grad_error=errors.get(key),
+        temp_ok=within_bytes(m.temp_bytes, budget),
+        time_ok=None if ratio is None else ratio <= entry["time_target"],
+    )
+    record["pass"] = bool(record["temp_ok"] and record["time_ok"])
 
 
 def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
@@ -569,14 +590,42 @@ def _cell(record: dict | None) -> str:
     return f"{_ratio(record['temp_over_budget'])}, {_ratio(record['time_ratio'])} {mark}"
 
 
+def headline(results: list[dict]) -> list[str]:
+    """memento ``auto`` at the three budgets, one row per body and length (the lines of a
+    markdown table): each idiom's temp and time, then memento's temp / budget and time /
+    that idiom's (nested sqrt(T)'s for the quarter)."""
+    lines = [
+        "### memento (auto) at its peers' own bytes",
+        "",
+        "| body | T | nested sqrt(T): temp, time | memento at the same bytes: temp / budget, "
+        "time / nested | checkpoint per step: temp, time | memento at the same bytes: temp / "
+        "budget, time / per step | memento at a quarter of nested's bytes: temp / budget, "
+        "time / nested |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        budgets = {b["budget"]: b for b in r["budgets"]}
+        cells = []
+        for label in BUDGETS:
+            idiom = BUDGETS[label][0]
+            if label != "quarter nested":
+                peer = r["peers"][idiom]
+                cells.append(f"{_size(peer['temp_bytes'])}, {_secs(peer['time_s'])}")
+            cells.append(_cell(budgets[label]["memento"].get("auto")))
+        lines.append(f"| {r['label']} | {r['T']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def markdown(data: dict) -> str:
-    """The results as markdown tables: one per budget, then the peers, then first calls."""
+    """The results as markdown tables: the headline (memento auto), one per budget with
+    every executor, the peers, then first calls."""
     results = data["results"]
     lines = [
         f"CPU: {data['machine'].get('processor')}; jax {data['machine'].get('jax')}; "
         f"{data['settings']['rounds']} rounds; {data['date']}.",
         "",
     ]
+    lines += headline(results)
     titles = {
         "nested sqrt(T)": "memento at nested sqrt(T)'s bytes (targets: temp <= budget "
         "x 1.05 + 4 KiB, time <= 1.1x nested)",
