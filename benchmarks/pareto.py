@@ -27,16 +27,18 @@ process, on CPU:
   A method whose temp bytes are past ``--max-run-bytes`` is compiled but not run.
 - ``--first-call``: the first call (trace, plan, compile, run) at T = 10^6 of
   ``lax.scan``, nested sqrt(T), and memento at nested sqrt(T)'s bytes, each with a new
-  closure and JAX's caches cleared.
+  closure and JAX's and memento's caches cleared (``--first-call-bodies``, default the
+  4-float cell: ``lax.scan`` keeps all 10^6 steps' residuals).
 
-Every method's gradient is checked against ``lax.scan``'s (float32 tolerances) before
-anything is timed. Targets: at nested sqrt(T)'s and at checkpoint per step's bytes,
+Every method's gradient is checked against ``lax.scan``'s (float32 tolerances; the first
+peer that runs where ``lax.scan`` is past ``--max-run-bytes``) before anything is timed. Targets: at nested sqrt(T)'s and at checkpoint per step's bytes,
 temp <= budget * 1.05 + 4 KiB and time <= 1.1x that idiom's; at a quarter of nested
 sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
 
 Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
-      [--bodies tanh4,elem256,matvec128,lstm32,lstm256] [--rounds 5] [--first-call]
-      [--out PATH]
+      [--bodies tanh4,elem256,matvec128,lstm32,lstm256] [--executors auto,static,rows,recursion]
+      [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
+      (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
       PYTHONPATH=src python benchmarks/pareto.py --markdown benchmarks/results/pareto.json
 
 Writes JSON (default benchmarks/results/pareto.json) and prints the markdown tables.
