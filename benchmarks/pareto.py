@@ -1,0 +1,798 @@
+"""memento at its peers' own bytes: temp memory and time of a long loop's gradient, as ratios.
+
+A JAX user who saves memory in a long loop's gradient writes one of a few idioms. Each
+takes some temporary memory when compiled; given that many bytes (``memory=f"{N}B"``),
+memento should fit in them and be about as fast. This benchmark measures it, in one
+process, on CPU:
+
+- Loss: ``sum(ys) + sum(final carry)``; the gradient is taken with respect to the
+  cell's weights, which the step closes over.
+- Bodies: ``tanh(W @ h + x)`` with 4 floats, ``tanh(w * h + x)`` with 256, ``tanh(W @ h
+  + x)`` with 128, LSTMs of hidden 32 and batch 16, and of hidden 256 and batch 32 (each
+  step's output is the mean of the new state squared).
+- Peers: ``lax.scan`` (stores everything), ``lax.scan(jax.checkpoint(step))``
+  (checkpoint per step), nested sqrt(T) (a ``lax.scan`` over segments, each a
+  ``jax.checkpoint``-ed ``lax.scan``; a divisor of T as the segment length where one
+  lies within 2x of sqrt(T), a shorter last segment otherwise), a 3-level nest, and
+  Equinox's ``equinox.internal.while_loop(kind="checkpointed")`` with as many
+  checkpoints as the nested idiom keeps carries (segments plus one segment's steps).
+- memento: ``memory`` set to the temp bytes of nested sqrt(T), of checkpoint per step,
+  and a quarter of nested sqrt(T)'s; at each, ``executor="auto"`` and every forced
+  executor this memento accepts (``"static"``, ``"rows"``, ``"recursion"``; one it does
+  not know is recorded as unsupported). A budget memento refuses is recorded with its
+  message.
+- Memory: ``memory_analysis().temp_size_in_bytes`` of the compiled gradient (exact and
+  deterministic). Time: every method compiled and run once first, then the median of
+  round-robin rounds (each method once per round), ``jax.block_until_ready`` after each.
+  A method whose temp bytes are past ``--max-run-bytes`` is compiled but not run.
+- ``--first-call``: the first call (trace, plan, compile, run) at T = 10^6 of
+  ``lax.scan``, nested sqrt(T), and memento at nested sqrt(T)'s bytes, each with a new
+  closure and JAX's and memento's caches cleared (``--first-call-bodies``, default the
+  4-float cell: ``lax.scan`` keeps all 10^6 steps' residuals).
+
+Every method's gradient is checked against ``lax.scan``'s (float32 tolerances; the first
+peer that runs where ``lax.scan`` is past ``--max-run-bytes``) before anything is timed. Targets: at nested sqrt(T)'s and at checkpoint per step's bytes,
+temp <= budget * 1.05 + 4 KiB and time <= 1.1x that idiom's; at a quarter of nested
+sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
+
+Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
+      [--bodies tanh4,elem256,matvec128,lstm32,lstm256] [--executors auto,static,rows,recursion]
+      [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
+      (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
+      PYTHONPATH=src python benchmarks/pareto.py --markdown benchmarks/results/pareto.json
+
+Writes JSON (default benchmarks/results/pareto.json) and prints the markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: I001
+
+import numpy as np
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "pareto.json"
+EXECUTORS = ("auto", "static", "rows", "recursion")
+PEERS = ("lax.scan", "checkpoint per step", "nested sqrt(T)", "nested 3 levels", "equinox")
+
+# Budget name -> (the idiom whose temp bytes set it, their fraction, the idiom times
+# are compared with, the time target).
+BUDGETS = {
+    "nested sqrt(T)": ("nested sqrt(T)", 1.0, "nested sqrt(T)", 1.1),
+    "checkpoint per step": ("checkpoint per step", 1.0, "checkpoint per step", 1.1),
+    "quarter nested": ("nested sqrt(T)", 0.25, "nested sqrt(T)", 1.6),
+}
+BYTES_SLACK = (1.05, 4096)  # temp <= budget * 1.05 + 4 KiB
+RTOL = 2e-3  # float32 gradients of 10^4+ steps, summed in different orders
+
+
+# Bodies ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A loop body: ``cell(weights, carry, x) -> (carry, y)`` and how to make its inputs.
+
+    Attributes:
+        name: the ``--bodies`` key.
+        label: how the tables name it.
+        cell: the step, ``y`` a scalar.
+        make: ``make(num_steps) -> (weights, init, xs)``.
+    """
+
+    name: str
+    label: str
+    cell: Callable
+    make: Callable[[int], tuple[Any, Any, Any]]
+
+
+def _matvec(W, h, x):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(W @ h + x)
+    return h, jnp.mean(h * h)
+
+
+def _elementwise(w, h, x):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(w * h + x)
+    return h, jnp.mean(h * h)
+
+
+def _tanh_inputs(width: int, matrix: bool):
+    import jax
+    import jax.numpy as jnp
+
+    def make(num_steps):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+        if matrix:
+            w = jax.random.normal(k1, (width, width), jnp.float32) * 0.9 / math.sqrt(width)
+        else:
+            w = 0.9 + 0.1 * jax.random.uniform(k1, (width,), jnp.float32)
+        xs = 0.1 * jax.random.normal(k2, (num_steps, width), jnp.float32)
+        return w, jnp.full((width,), 0.5, jnp.float32), xs
+
+    return make
+
+
+def _lstm_inputs(hidden: int, batch: int, features: int = 8):
+    import jax
+    import jax.numpy as jnp
+
+    def make(num_steps):
+        k = jax.random.split(jax.random.PRNGKey(0), 4)
+        scale = 1.0 / math.sqrt(hidden)
+        params = {
+            "W": jax.random.normal(k[0], (features, 4 * hidden), jnp.float32) * scale,
+            "U": jax.random.normal(k[1], (hidden, 4 * hidden), jnp.float32) * scale,
+            "b": jnp.zeros((4 * hidden,), jnp.float32),
+        }
+        h0 = 0.1 * jax.random.normal(k[2], (batch, hidden), jnp.float32)
+        xs = jax.random.normal(k[3], (num_steps, batch, features), jnp.float32)
+        return params, (h0, jnp.zeros_like(h0)), xs
+
+    return make
+
+
+BODIES = {
+    b.name: b
+    for b in (
+        Body(
+            "tanh4", "`tanh(W @ h + x)`, 4 floats, W differentiated", _matvec, _tanh_inputs(4, True)
+        ),
+        Body("elem256", "`tanh(w * h + x)`, 256 floats", _elementwise, _tanh_inputs(256, False)),
+        Body("matvec128", "`tanh(W @ h + x)`, 128 floats", _matvec, _tanh_inputs(128, True)),
+        Body("lstm32", "LSTM, hidden 32, batch 16", _common.lstm_step, _lstm_inputs(32, 16)),
+        Body("lstm256", "LSTM, hidden 256, batch 32", _common.lstm_step, _lstm_inputs(256, 32)),
+    )
+}
+
+
+# The ways to run the loop: run(step, init, xs) -> (carry, ys) ------------------------
+
+
+def segment_length(num_steps: int, levels: int) -> int:
+    """The inner segments' length for a nest of ``levels`` over ``num_steps``: about
+    ``num_steps ** ((levels - 1) / levels)``, the nearest divisor where one lies within 2x
+    of that (no remainder, no copy of the inputs), else that length rounded."""
+    target = num_steps ** ((levels - 1) / levels)
+    near = [
+        d for d in range(max(1, math.ceil(target / 2)), int(target * 2) + 1) if num_steps % d == 0
+    ]
+    if near:
+        return min(near, key=lambda d: (abs(math.log(d / target)), d))
+    return max(1, round(target))
+
+
+def nested_scan(step, init, xs, levels: int):
+    """A ``lax.scan`` over segments, each a ``jax.checkpoint``-ed nest of ``levels - 1``
+    levels; a remainder (when the segment length does not divide the steps) runs as one
+    more, shorter checkpointed segment. ``levels=1`` is ``lax.scan``."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    num_steps = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    if levels <= 1 or num_steps <= 2:
+        return lax.scan(step, init, xs)
+    inner = segment_length(num_steps, levels)
+    count, rest = divmod(num_steps, inner)
+    tree = jax.tree_util.tree_map
+
+    def segment(c, xs_seg):
+        return nested_scan(step, c, xs_seg, levels - 1)
+
+    head = tree(lambda a: a[: count * inner].reshape(count, inner, *a.shape[1:]), xs)
+    carry, ys = lax.scan(jax.checkpoint(segment), init, head)
+    ys = tree(lambda y: y.reshape(count * inner, *y.shape[2:]), ys)
+    if rest:
+        carry, ys_rest = jax.checkpoint(segment)(carry, tree(lambda a: a[count * inner :], xs))
+        ys = tree(lambda a, b: jnp.concatenate([a, b]), ys, ys_rest)
+    return carry, ys
+
+
+def nested_checkpoints(num_steps: int) -> int:
+    """The carries nested sqrt(T) holds at once: its segments plus one segment's steps."""
+    inner = segment_length(num_steps, 2)
+    return -(-num_steps // inner) + inner
+
+
+def equinox_scan(step, init, xs, checkpoints: int):
+    """The loop as Equinox's checkpointed while loop; ``ys`` summed as it goes (the loss
+    only needs their sum)."""
+    import equinox.internal as eqxi
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    num_steps = jax.tree_util.tree_leaves(xs)[0].shape[0]
+
+    def body(state):
+        i, carry, total = state
+        x = jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), xs)
+        carry, y = step(carry, x)
+        return i + 1, carry, total + y
+
+    _, carry, total = eqxi.while_loop(
+        lambda state: state[0] < num_steps,
+        body,
+        (jnp.int32(0), init, jnp.float32(0.0)),
+        max_steps=num_steps,
+        kind="checkpointed",
+        checkpoints=checkpoints,
+    )
+    return carry, total
+
+
+def peer_runs(num_steps: int) -> dict[str, Callable]:
+    """The peers, by name, as ``run(step, init, xs)`` (Equinox only where it imports)."""
+    import jax
+    from jax import lax
+
+    runs = {
+        "lax.scan": lambda f, c, xs: lax.scan(f, c, xs),
+        "checkpoint per step": lambda f, c, xs: lax.scan(jax.checkpoint(f), c, xs),
+        "nested sqrt(T)": lambda f, c, xs: nested_scan(f, c, xs, 2),
+        "nested 3 levels": lambda f, c, xs: nested_scan(f, c, xs, 3),
+    }
+    try:
+        import equinox.internal  # noqa: F401
+    except ImportError:
+        return runs
+    checkpoints = nested_checkpoints(num_steps)
+    runs["equinox"] = lambda f, c, xs: equinox_scan(f, c, xs, checkpoints)
+    return runs
+
+
+def memento_run(budget_bytes: int, executor: str) -> Callable:
+    import memento
+
+    return lambda f, c, xs: memento.scan(f, c, xs, memory=f"{budget_bytes}B", executor=executor)
+
+
+def executor_support() -> dict[str, bool]:
+    """Which executors this memento's ``scan`` accepts (an unknown one is a ValueError
+    raised at the boundary, before anything is traced)."""
+    import memento
+
+    support = {}
+    for executor in EXECUTORS:
+        try:
+            memento.scan(lambda c, x: (c, None), 0.0, None, length=1, executor=executor)
+            support[executor] = True
+        except ValueError as e:
+            if "executor" not in str(e):
+                raise
+            support[executor] = False
+    return support
+
+
+def loss_of(cell: Callable, run: Callable) -> Callable:
+    """``loss(weights, init, xs) = sum(ys) + sum(final carry)`` with ``run`` as the loop."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(weights, init, xs):
+        carry, ys = run(lambda c, x: cell(weights, c, x), init, xs)
+        leaves = jax.tree_util.tree_leaves((ys, carry))
+        return sum(jnp.sum(leaf) for leaf in leaves)
+
+    return loss
+
+
+# Measuring ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Method:
+    """One compiled gradient: its temp bytes and, if run, its gradient and call."""
+
+    temp_bytes: int
+    compile_s: float
+    call: Callable[[], Any] | None = None
+    grad: Any = None
+
+
+def compile_grad(loss: Callable, args: tuple, max_run_bytes: int) -> Method:
+    """Compiles ``jit(grad(loss))`` for ``args``; runs it once if its temp bytes fit."""
+    import jax
+
+    start = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    method = Method(temp_bytes=temp, compile_s=compile_s)
+    if temp <= max_run_bytes:
+        method.grad = jax.block_until_ready(compiled(*args))
+        method.call = lambda: compiled(*args)
+    return method
+
+
+def check_gradient(name: str, grad, reference) -> float:
+    """Asserts ``grad`` equals ``reference`` to float32 tolerance; returns the largest
+    error relative to the reference's largest entry, over all leaves."""
+    import jax
+
+    worst = 0.0
+    for g, r in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(reference)):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        scale = max(float(np.abs(r).max()), 1e-30)
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=name)
+        worst = max(worst, float(np.abs(g - r).max()) / scale)
+    return worst
+
+
+def within_bytes(temp: int, budget: int) -> bool:
+    factor, extra = BYTES_SLACK
+    return temp <= budget * factor + extra
+
+
+def schedule_of(body: Body, args: tuple, budget_bytes: int, executor: str) -> dict | None:
+    """What memento plans for this budget (policy, forward evaluations), where it says."""
+    import memento
+
+    weights, init, xs = args
+    try:
+        s = memento.loops.scan_schedule(
+            lambda c, x: body.cell(weights, c, x),
+            init,
+            xs,
+            memory=f"{budget_bytes}B",
+            executor=executor,
+            wrt=("closure",),
+        )
+    except Exception:  # a refusal is recorded by the run itself
+        return None
+    info = {"policy": getattr(s, "policy", None), "cost": getattr(s, "cost", None)}
+    for key in ("executor", "slots", "levels"):
+        if hasattr(s, key):
+            info[key] = getattr(s, key)
+    return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in info.items()}
+
+
+def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict) -> dict:
+    """Peers and memento for one body and length: bytes, gradient checks, then times."""
+    import jax
+
+    args = body.make(num_steps)
+    cap = args_.max_run_bytes
+    peers = {}
+    for name, run in peer_runs(num_steps).items():
+        peers[name] = compile_grad(loss_of(body.cell, run), args, cap)
+        _log(f"  {name}: temp {peers[name].temp_bytes} B")
+    methods = dict(peers)
+    budgets = []
+    for label in BUDGETS:
+        entry, compiled = memento_at(body, args, label, peers, args_.executors, support, cap)
+        budgets.append(entry)
+        methods |= compiled
+    reference, errors = check_gradients(f"{body.name} T={num_steps}", peers, methods)
+
+    calls = {n: m.call for n, m in methods.items() if m.call is not None}
+    times = _common.time_round_robin(calls, repeats=args_.rounds) if calls else {}
+    seconds = {n: _common.median(v) for n, v in times.items()}
+    for entry in budgets:
+        for record in entry["memento"].values():
+            if record["status"] == "ok":
+                score(record, entry, methods, seconds, errors)
+    jax.clear_caches()
+    return {
+        "body": body.name,
+        "label": body.label,
+        "T": num_steps,
+        "gradient_reference": reference,
+        "nested_segment": segment_length(num_steps, 2),
+        "equinox_checkpoints": nested_checkpoints(num_steps) if "equinox" in peers else None,
+        "peers": {
+            n: {
+                "temp_bytes": m.temp_bytes,
+                "time_s": seconds.get(n),
+                "compile_s": m.compile_s,
+                "grad_error": errors.get(n),
+            }
+            for n, m in peers.items()
+        },
+        "budgets": budgets,
+    }
+
+
+def memento_at(
+    body: Body, args: tuple, label: str, peers: dict, executors: str, support: dict, cap: int
+) -> tuple[dict, dict[str, Method]]:
+    """memento's gradient compiled at one of `BUDGETS`, with each executor of
+    ``executors`` (comma-separated); a budget it refuses is recorded with the message.
+
+    Returns:
+        The budget's entry (one record per executor, filled in by `score` once timed) and
+        the compiled gradients by method name.
+    """
+    idiom, fraction, reference, target = BUDGETS[label]
+    budget = int(peers[idiom].temp_bytes * fraction)
+    entry = {
+        "budget": label,
+        "budget_bytes": budget,
+        "budget_of": idiom,
+        "fraction": fraction,
+        "time_reference": reference,
+        "time_target": target,
+        "memento": {},
+    }
+    compiled = {}
+    for executor in executors.split(","):
+        if not support[executor]:
+            entry["memento"][executor] = {"status": "unsupported"}
+            continue
+        key = f"memento {executor} @ {label}"
+        try:
+            compiled[key] = compile_grad(
+                loss_of(body.cell, memento_run(budget, executor)), args, cap
+            )
+        except ValueError as e:
+            entry["memento"][executor] = {"status": "refused", "message": str(e)}
+            _log(f"  {key}: refused ({e})")
+            continue
+        plan = schedule_of(body, args, budget, executor)
+        entry["memento"][executor] = {"status": "ok", "method": key, "plan": plan}
+        _log(f"  {key}: temp {compiled[key].temp_bytes} B (budget {budget} B)")
+    return entry, compiled
+
+
+def check_gradients(where: str, peers: dict, methods: dict) -> tuple[str | None, dict]:
+    """Every gradient that ran against lax.scan's (or, past the memory cap, the first peer
+    that ran); raises AssertionError on a mismatch.
+
+    Returns:
+        The reference's name and each method's largest relative error.
+    """
+    ran = [n for n in PEERS if n in peers and peers[n].grad is not None]
+    if not ran:
+        return None, {}
+    reference = methods[ran[0]].grad
+    errors = {
+        name: check_gradient(f"{where}: {name} against {ran[0]}", m.grad, reference)
+        for name, m in methods.items()
+        if m.grad is not None
+    }
+    return ran[0], errors
+
+
+def score(record: dict, entry: dict, methods: dict, seconds: dict, errors: dict) -> None:
+    """Fills a memento record: bytes and time as ratios, and whether each target holds."""
+    key = record.pop("method")
+    m = methods[key]
+    t, ref_time = seconds.get(key), seconds.get(entry["time_reference"])
+    ratio = t / ref_time if t is not None and ref_time else None
+    budget = entry["budget_bytes"]
+    record.update(
+        temp_bytes=m.temp_bytes,
+        temp_over_budget=m.temp_bytes / budget if budget else None,
+        time_s=t,
+        time_ratio=ratio,
+        compile_s=m.compile_s,
+        grad_error=errors.get(key),
+        temp_ok=within_bytes(m.temp_bytes, budget),
+        time_ok=None if ratio is None else ratio <= entry["time_target"],
+    )
+    record["pass"] = bool(record["temp_ok"] and record["time_ok"])
+
+
+def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
+    """First calls (trace, plan, compile, run) of lax.scan, nested sqrt(T) and memento at
+    nested sqrt(T)'s bytes, each fresh: a new closure, JAX's caches cleared; the median
+    of ``rounds`` (interleaved)."""
+    import jax
+
+    args = body.make(num_steps)
+    budget = compile_grad(
+        loss_of(body.cell, peer_runs(num_steps)["nested sqrt(T)"]), args, max_run_bytes=-1
+    ).temp_bytes
+    makers = {
+        "lax.scan": lambda: peer_runs(num_steps)["lax.scan"],
+        "nested sqrt(T)": lambda: peer_runs(num_steps)["nested sqrt(T)"],
+        "memento auto": lambda: memento_run(budget, "auto"),
+    }
+    stages: dict[str, list[dict]] = {n: [] for n in makers}
+    for _ in range(rounds):
+        for name, make in makers.items():
+            jax.clear_caches()
+            _clear_memento_caches()
+            loss = loss_of(body.cell, make())
+            _, timing = _common.first_call(jax.grad(loss), *args)
+            stages[name].append(timing)
+            _log(f"  first call {name}: {timing['first_s']:.2f} s")
+    out = {"body": body.name, "T": num_steps, "memento_budget_bytes": budget, "methods": {}}
+    for name, runs in stages.items():
+        out["methods"][name] = {k: _common.median([r[k] for r in runs]) for k in runs[0]}
+    base = out["methods"]["lax.scan"]["first_s"]
+    for rec in out["methods"].values():
+        rec["vs_lax_scan"] = rec["first_s"] / base
+    out["memento_ok"] = out["methods"]["memento auto"]["vs_lax_scan"] <= 2.0
+    return out
+
+
+def _clear_memento_caches() -> None:
+    """memento's own caches of plans and programs, where it has them (a first call must
+    plan and compile afresh)."""
+    import memento
+
+    for owner, attr in (("planning._budget", "_plan"), ("loops._scan", "_compile")):
+        obj: Any = memento
+        for part in owner.split("."):
+            obj = getattr(obj, part, None)
+        fn = getattr(obj, attr, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def summary(results: list[dict]) -> dict:
+    """Per executor and budget: how many (body, T) met both targets, of those measured."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in results:
+        for entry in r["budgets"]:
+            for executor, record in entry["memento"].items():
+                if record["status"] == "unsupported":
+                    continue
+                counts = out.setdefault(executor, {}).setdefault(
+                    entry["budget"], {"passed": 0, "measured": 0, "refused": 0}
+                )
+                if record["status"] == "refused":
+                    counts["refused"] += 1
+                else:
+                    counts["measured"] += 1
+                    counts["passed"] += bool(record["pass"])
+    return out
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# Tables ---------------------------------------------------------------------------------
+
+
+def _size(num_bytes: float | None) -> str:
+    if num_bytes is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "not run"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _cell(record: dict | None) -> str:
+    """``temp / budget, time / reference`` and which targets it missed."""
+    if record is None:
+        return "not measured"
+    if record["status"] != "ok":
+        return record["status"]
+    missed = [what for what in ("temp", "time") if record[f"{what}_ok"] is False]
+    mark = f"FAIL {' and '.join(missed)}" if missed else ("pass" if record["pass"] else "?")
+    return f"{_ratio(record['temp_over_budget'])}, {_ratio(record['time_ratio'])} {mark}"
+
+
+def headline(results: list[dict]) -> list[str]:
+    """memento ``auto`` at the three budgets, one row per body and length (the lines of a
+    markdown table): each idiom's temp and time, then memento's temp / budget and time /
+    that idiom's (nested sqrt(T)'s for the quarter)."""
+    lines = [
+        "### memento (auto) at its peers' own bytes",
+        "",
+        "| body | T | nested sqrt(T): temp, time | memento at the same bytes: temp / budget, "
+        "time / nested | checkpoint per step: temp, time | memento at the same bytes: temp / "
+        "budget, time / per step | memento at a quarter of nested's bytes: temp / budget, "
+        "time / nested |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        budgets = {b["budget"]: b for b in r["budgets"]}
+        cells = []
+        for label in BUDGETS:
+            idiom = BUDGETS[label][0]
+            if label != "quarter nested":
+                peer = r["peers"][idiom]
+                cells.append(f"{_size(peer['temp_bytes'])}, {_secs(peer['time_s'])}")
+            cells.append(_cell(budgets[label]["memento"].get("auto")))
+        lines.append(f"| {r['label']} | {r['T']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def markdown(data: dict) -> str:
+    """The results as markdown tables: the headline (memento auto), one per budget with
+    every executor, the peers, then first calls."""
+    results = data["results"]
+    lines = [
+        f"CPU: {data['machine'].get('processor')}; jax {data['machine'].get('jax')}; "
+        f"{data['settings']['rounds']} rounds; {data['date']}.",
+        "",
+    ]
+    lines += headline(results)
+    titles = {
+        "nested sqrt(T)": "memento at nested sqrt(T)'s bytes (targets: temp <= budget "
+        "x 1.05 + 4 KiB, time <= 1.1x nested)",
+        "checkpoint per step": "memento at checkpoint per step's bytes (targets: temp "
+        "<= budget x 1.05 + 4 KiB, time <= 1.1x checkpoint per step)",
+        "quarter nested": "memento at a quarter of nested sqrt(T)'s bytes (targets: "
+        "temp <= budget x 1.05 + 4 KiB, time <= 1.6x nested)",
+    }
+    for label, title in titles.items():
+        idiom, _, reference, _ = BUDGETS[label]
+        head = f"| body | T | {idiom}: temp, time | budget | " + " | ".join(EXECUTORS) + " |"
+        lines += [
+            f"### {title}",
+            "",
+            f"memento's cells: temp / budget, time / {reference}'s time.",
+            "",
+            head,
+            "| --- | --- | --- | --- |" + " --- |" * len(EXECUTORS),
+        ]
+        for r in results:
+            entry = next(b for b in r["budgets"] if b["budget"] == label)
+            peer = r["peers"][idiom]
+            cells = [_cell(entry["memento"].get(e)) for e in EXECUTORS]
+            lines.append(
+                f"| {r['label']} | {r['T']} | {_size(peer['temp_bytes'])}, "
+                f"{_secs(peer['time_s'])} | {_size(entry['budget_bytes'])} | "
+                + " | ".join(cells)
+                + " |"
+            )
+        lines.append("")
+    lines += [
+        "### The peers: temp, time",
+        "",
+        "| body | T | " + " | ".join(PEERS) + " |",
+        "| --- | --- |" + " --- |" * len(PEERS),
+    ]
+    for r in results:
+        cells = [
+            f"{_size(r['peers'][p]['temp_bytes'])}, {_secs(r['peers'][p]['time_s'])}"
+            if p in r["peers"]
+            else "not installed"
+            for p in PEERS
+        ]
+        lines.append(f"| {r['label']} | {r['T']} | " + " | ".join(cells) + " |")
+    if data.get("first_call"):
+        lines += [
+            "",
+            "### First call (trace, plan, compile, run)",
+            "",
+            "| body | T | lax.scan | nested sqrt(T) | memento auto at nested's bytes |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for fc in data["first_call"]:
+            m = fc["methods"]
+            cells = [
+                f"{_secs(m[n]['first_s'])} ({_ratio(m[n]['vs_lax_scan'])})"
+                for n in ("lax.scan", "nested sqrt(T)", "memento auto")
+            ]
+            lines.append(f"| {BODIES[fc['body']].label} | {fc['T']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# Entry point ----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", default="1e4,1e5", help="comma-separated lengths T")
+    parser.add_argument("--bodies", default=",".join(BODIES), help=f"of {', '.join(BODIES)}")
+    parser.add_argument(
+        "--executors", default=",".join(EXECUTORS), help="memento's executors to measure"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke preset: T=1000, tanh4 and lstm32, 3 rounds"
+    )
+    parser.add_argument(
+        "--first-call", action="store_true", help="also time first calls at --first-call-steps"
+    )
+    parser.add_argument("--first-call-steps", default="1e6")
+    parser.add_argument(
+        "--first-call-bodies",
+        default="tanh4",
+        help="bodies for --first-call (lax.scan stores all T steps)",
+    )
+    parser.add_argument(
+        "--max-run-bytes",
+        type=float,
+        default=4 * 2**30,
+        help="compile but do not run methods with more temp bytes",
+    )
+    parser.add_argument(
+        "--threads",
+        choices=("one", "all"),
+        default="one",
+        help="XLA:CPU threads per operation (one: steadier when shared)",
+    )
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument(
+        "--markdown", metavar="JSON", help="print the tables of an existing JSON and exit"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.bodies, args.rounds = "1e3", "tanh4,lstm32", 3
+    args.max_run_bytes = int(args.max_run_bytes)
+    unknown = set(args.bodies.split(",")) - set(BODIES)
+    if unknown:
+        parser.error(f"unknown bodies {sorted(unknown)}; choose from {', '.join(BODIES)}")
+    unknown = set(args.executors.split(",")) - set(EXECUTORS)
+    if unknown:
+        parser.error(f"unknown executors {sorted(unknown)}; choose from {', '.join(EXECUTORS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Runs the benchmark (or renders ``--markdown``); returns the JSON's data."""
+    args = parse_args(argv)
+    if args.markdown:
+        import json
+
+        data = json.loads(Path(args.markdown).read_text())
+        print(markdown(data), end="")
+        return data
+    if args.threads == "one":
+        _common.use_one_thread()
+    support = executor_support()
+    _log(f"executors: {support}")
+    results = []
+    for num_steps in [int(float(s)) for s in args.steps.split(",")]:
+        for name in args.bodies.split(","):
+            _log(f"{name}, T={num_steps}")
+            results.append(measure(BODIES[name], num_steps, args, support))
+    firsts = []
+    if args.first_call:
+        for num_steps in [int(float(s)) for s in args.first_call_steps.split(",")]:
+            for name in args.first_call_bodies.split(","):
+                _log(f"first call: {name}, T={num_steps}")
+                firsts.append(first_calls(BODIES[name], num_steps, min(args.rounds, 3)))
+    machine = _common.machine()
+    data = {
+        "benchmark": "pareto",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine,
+        "cpu_model": machine["processor"],
+        "jax": machine["jax"],
+        "settings": {
+            "steps": args.steps,
+            "bodies": args.bodies,
+            "rounds": args.rounds,
+            "executors": args.executors,
+            "max_run_bytes": args.max_run_bytes,
+            "threads": args.threads,
+            "bytes_slack": list(BYTES_SLACK),
+            "gradient_rtol": RTOL,
+        },
+        "executors": {e: ("supported" if ok else "unsupported") for e, ok in support.items()},
+        "summary": summary(results),
+        "results": results,
+        "first_call": firsts,
+    }
+    path = _common.write_json(args.out, data)
+    print(markdown(data), end="")
+    _log(f"wrote {path}")
+    return data
+
+
+if __name__ == "__main__":
+    main()

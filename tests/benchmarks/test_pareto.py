@@ -1,0 +1,97 @@
+"""benchmarks/pareto.py at a tiny size: its JSON has every field, its tables render, and
+its nests and gradient check are right."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pareto
+
+
+def test_main_writes_every_field_and_renders_the_tables(tmp_path, capsys):
+    out = tmp_path / "pareto.json"
+    argv = [
+        "--steps",
+        "64",
+        "--bodies",
+        "tanh4",
+        "--rounds",
+        "1",
+        "--threads",
+        "all",
+        "--executors",
+        "auto",
+        "--out",
+        str(out),
+    ]
+    data = pareto.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    assert data["cpu_model"] and data["jax"] == jax.__version__ and data["date"]
+    assert set(data["executors"]) == set(pareto.EXECUTORS)
+    (result,) = data["results"]
+    assert (result["body"], result["T"], result["gradient_reference"]) == ("tanh4", 64, "lax.scan")
+    for name in ("lax.scan", "checkpoint per step", "nested sqrt(T)", "nested 3 levels"):
+        peer = result["peers"][name]
+        assert peer["temp_bytes"] > 0 and peer["time_s"] > 0 and peer["grad_error"] < 1e-3
+    nested = result["peers"]["nested sqrt(T)"]["temp_bytes"]
+    per_step = result["peers"]["checkpoint per step"]["temp_bytes"]
+    budgets = {b["budget"]: b for b in result["budgets"]}
+    assert [budgets[k]["budget_bytes"] for k in pareto.BUDGETS] == [
+        nested,
+        per_step,
+        int(nested * 0.25),
+    ]
+    for entry in budgets.values():
+        record = entry["memento"]["auto"]
+        assert record["status"] in ("ok", "refused")
+        if record["status"] == "refused":
+            assert "memory" in record["message"]
+            continue
+        assert record["temp_over_budget"] == record["temp_bytes"] / entry["budget_bytes"]
+        reference = result["peers"][entry["time_reference"]]["time_s"]
+        assert record["time_ratio"] == pytest.approx(record["time_s"] / reference)
+        assert record["grad_error"] < 1e-3
+        assert record["temp_ok"] == (record["temp_bytes"] <= entry["budget_bytes"] * 1.05 + 4096)
+        assert record["pass"] == (record["temp_ok"] and record["time_ok"])
+    assert (
+        data["summary"]["auto"]["nested sqrt(T)"]["measured"]
+        + data["summary"]["auto"]["nested sqrt(T)"]["refused"]
+        == 1
+    )
+    printed = capsys.readouterr().out
+    assert "memento at nested sqrt(T)'s bytes" in printed
+    assert pareto.BODIES["tanh4"].label in printed
+
+    pareto.main(["--markdown", str(out)])
+    assert capsys.readouterr().out == pareto.markdown(data)
+
+
+def test_nested_scan_equals_lax_scan_with_and_without_a_remainder(x64):
+    # 97 steps in 3 levels: segments of 21 and a remainder of 13 (97 is prime); each
+    # segment a nest of 7 x 3 (divisors), the remainder one of 13: 3 x 4 and 1 more.
+    num_steps, levels = 97, 3
+    assert pareto.segment_length(97, 3) == 21 and pareto.segment_length(21, 2) == 3
+    xs = jnp.linspace(-1.0, 1.0, num_steps * 3, dtype=jnp.float64).reshape(num_steps, 3)
+
+    def loss(run, w):
+        carry, ys = run(lambda h, x: (jnp.tanh(w * h + x), jnp.sum(h**2)), jnp.ones(3), xs)
+        return carry.sum() + ys.sum()
+
+    nested = lambda f, c, x: pareto.nested_scan(f, c, x, levels)
+    w = jnp.array([0.5, 0.9, -0.7])
+    np.testing.assert_allclose(
+        jax.grad(lambda w: loss(nested, w))(w),
+        jax.grad(lambda w: loss(lax.scan, w))(w),
+        rtol=1e-12,
+    )
+
+
+def test_check_gradient_refuses_a_wrong_gradient():
+    good = {"W": np.ones((2, 2), np.float32)}
+    assert pareto.check_gradient("same", good, good) == 0.0
+    with pytest.raises(AssertionError, match="wrong"):
+        pareto.check_gradient("wrong", {"W": good["W"] * 1.01}, good)
