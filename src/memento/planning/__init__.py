@@ -67,6 +67,18 @@ from ._layers import (
     plan_layers as plan_layers,
 )
 from ._msm import msm_estimate_s as msm_estimate_s
+from ._time import (
+    LoopCosts as LoopCosts,
+    loop_costs as loop_costs,
+    loop_seconds as loop_seconds,
+    step_seconds as step_seconds,
+)
+from ._nest import (
+    StaticPlan as StaticPlan,
+    nest_schedule as nest_schedule,
+    plan_static as plan_static,
+    static_plan as static_plan,
+)
 from ._online import (
     OnlineEvents as OnlineEvents,
     checkpoints_at as checkpoints_at,
