@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -247,6 +248,49 @@ class Body:
         pools = {"const": list(consts), "x": list(x), "stored": list(stored)}
         leaves = [pools[kind][j] for kind, j in spec.source]
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+    """What one primal step does, counted on its jaxpr (loops inside it by their trip
+    count): ``flops`` (a matrix product ``2 * out * contracted``, any other op one per
+    output element), ``bytes`` (every op's inputs and outputs), ``ops``, and
+    ``largest``, the bytes of its largest intermediate array."""
+
+    flops: float
+    bytes: float
+    ops: int
+    largest: int
+
+
+def step_profile(body: Body) -> StepProfile:
+    """The `StepProfile` of a step of ``body``."""
+    return _profile(body.jaxpr)
+
+
+def _profile(jaxpr) -> StepProfile:
+    flops, nbytes_, ops, largest = 0.0, 0.0, 0, 0
+    for eqn in jaxpr.eqns:
+        outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
+        ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
+        inner = [p for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", p), "eqns")]
+        if inner:
+            times = eqn.params.get("length", 1)
+            for sub in inner:
+                q = _profile(getattr(sub, "jaxpr", sub))
+                flops, nbytes_ = flops + times * q.flops, nbytes_ + times * q.bytes
+                ops, largest = ops + times * q.ops, max(largest, q.largest)
+            continue
+        size = sum(math.prod(a.shape) for a in outs)
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            size *= 2 * math.prod(ins[0].shape[d] for d in lhs_contract)
+        out_bytes = [math.prod(a.shape) * a.dtype.itemsize for a in outs]
+        flops += size
+        nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
+        ops += 1
+        largest = max([largest, *out_bytes])
+    return StepProfile(flops, nbytes_, ops, largest)
 
 
 def inputs_to_consts(jaxpr, mask: Sequence[bool]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -11,13 +12,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Policy, Schedule, plan
+from ..planning import Policy, Schedule, hsm_cost, plan
 from ..planning._host import check_host
-from ..planning.internals import as_int, check_policy
-from . import _recursion
+from ..planning.internals import (
+    StaticPlan,
+    as_int,
+    check_policy,
+    loop_seconds,
+    nest_schedule,
+    plan_static,
+    step_seconds,
+)
+from . import _recursion, _static
 from ._body import (
     Body,
     Static,
+    step_profile,
     call_reverse_mode_only,
     guard_backward,
     instantiate,
@@ -185,6 +195,7 @@ def scan(
         policy=policy,
         executor=executor,
         host=_host_slots(host, nbytes(body.carry_avals), name=_NAME),
+        budget=budget,
     )
 
     run = _differentiable_run(body, plan, num_steps, unroll)
@@ -271,7 +282,7 @@ def scan_schedule(
         ["init" in wrt] * len(body.carry_avals),
         ["xs" in wrt] * len(body.x_avals),
     )
-    _, schedule, _, _ = _plan(
+    _, schedule, prog, _ = _plan(
         body,
         num_steps=num_steps,
         slots=slots,
@@ -280,7 +291,10 @@ def scan_schedule(
         name=name,
         rows=True,
         host=_host_slots(host, nbytes(body.carry_avals), name=name),
+        budget=budget,
     )
+    if isinstance(prog, StaticPlan):
+        return nest_schedule(prog)
     assert schedule is not None  # rows=True always plans one
     return schedule
 
@@ -373,8 +387,8 @@ def _compile(schedule: Schedule) -> Program:
 #   scan runs as the recursion.
 _RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
 
-Executor = Literal["auto", "rows", "recursion"]
-_EXECUTORS = ("auto", "rows", "recursion")
+Executor = Literal["auto", "static", "rows", "recursion"]
+_EXECUTORS = ("auto", "static", "rows", "recursion")
 
 
 def recursion_min_steps(backend: str | None = None) -> int:
@@ -537,6 +551,7 @@ def _plan(
     name: str = _NAME,
     rows: bool = False,
     host: tuple[int | float, tuple[float, float]] | None = None,
+    budget: int | Bytes | None = None,
 ):
     """The residuals, schedule, program and budget for a body differentiated as ``body``
     says.
@@ -568,6 +583,18 @@ def _plan(
         return _plan_two_level(
             body, spec, num_steps, slots, alpha, policy, host, carry_bytes, name=name
         )
+    budget = slots if budget is None else budget
+    sizes = _static_sizes(body, spec)
+    static = None
+    if executor in ("static", "auto") and policy == "auto":
+        room, kinds = _static_budget(budget, slots, sizes)
+        static = plan_static(num_steps, room, **kinds)
+    if executor == "static":
+        if static is None:
+            raise ValueError(_no_static_plan(name, num_steps, budget, slots, sizes))
+        return spec, None, static, slots
+    if isinstance(budget, Bytes):  # the rows' and the recursion's working set too
+        slots = min(slots, max(1, (budget.num_bytes - sizes.fixed) // max(carry_bytes, 1)))
     charges = auto_charges(num_steps, executor)
     chosen = (
         "hsm"
@@ -580,6 +607,8 @@ def _plan(
         executor == "recursion" or (executor == "auto" and num_steps >= recursion_min_steps())
     ):
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
+        if static is not None and _faster_static(body, static, hsm_cost(num_steps, slots), None):
+            return spec, None, static, slots
         return spec, schedule, None, slots
     m = slots
     while True:
@@ -587,10 +616,94 @@ def _plan(
         schedule = choose_schedule(num_steps, m, alpha, policy, name=name, charges=charges)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
+        if isinstance(budget, Bytes):  # the rows are device memory too
+            used += prog.runtime_bytes
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes
         if used <= allowed or m == 1:
+            if static is not None and _faster_static(body, static, schedule.cost, prog):
+                return spec, None, static, slots
             return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Bytes the static planner counts for a body: a carry, a step's internal state, what
+    a step being back-propagated streams (its xs slice, its ys' cotangents and its xs'
+    cotangent), and the fixed working set of the backward pass (a step's VJP in flight,
+    the cotangent accumulators of the closed-over arrays, the loops' control state)."""
+
+    carry: int
+    residual: int
+    stream: int
+    fixed: int
+    level: int
+
+
+_CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
+
+
+def _static_sizes(body: Body, spec) -> _Sizes:
+    carry = nbytes(body.carry_avals)
+    residual = nbytes(spec.stored)
+    xs = nbytes(body.x_avals)
+    stream = xs + nbytes(split(body.y_avals, body.y_mask)[0])
+    stream += nbytes(split(body.x_avals, body.x_mask)[0])
+    consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
+    # One step's VJP in flight (its internal state and carry, an x, its largest
+    # intermediate) and the closed-over arrays' cotangents.
+    working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
+    # A level beyond the second: its starts' selection and the loop state around it.
+    level = 4 * carry + 2 * _CONTROL_BYTES
+    return _Sizes(carry, residual, stream, working + consts, level)
+
+
+def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
+    """``(budget_bytes, sizes)`` arguments of `plan_static` for a budget: a byte budget
+    is the program's memory, less the backward pass's fixed working set; ``slots`` count
+    stored states only, carry-sized, as in the paper (the initial carry is one)."""
+    if isinstance(budget, Bytes):
+        return budget.num_bytes - sizes.fixed, {
+            "carry_bytes": sizes.carry,
+            "residual_bytes": sizes.residual,
+            "stream_bytes": sizes.stream,
+            "level_bytes": sizes.level,
+        }
+    return (slots - 1) * sizes.carry, {
+        "carry_bytes": sizes.carry,
+        "residual_bytes": sizes.residual,
+    }
+
+
+def _no_static_plan(name: str, num_steps: int, budget, slots: int, sizes: _Sizes) -> str:
+    room, kinds = _static_budget(budget, slots, sizes)
+    smallest = plan_static(num_steps, math.inf, **kinds, fewest_bytes=True)
+    assert smallest is not None  # nothing bounds it
+    if isinstance(budget, Bytes):
+        need = smallest.peak_bytes + budget.num_bytes - room
+        given, least = f"{budget.num_bytes} bytes", f"{need} bytes (memory='{need}B')"
+    else:
+        given, least = f"{slots} slots", f"{-(-smallest.peak_bytes // sizes.carry) + 1} slots"
+    return (
+        f"{name}: executor='static' has no plan of {num_steps} steps within {given}; its "
+        f"smallest takes {least}. Raise memory, or use executor='auto', which falls back "
+        "to the recursion."
+    )
+
+
+def _faster_static(body: Body, static: StaticPlan, evaluations: float, prog) -> bool:
+    """Whether the static plan is predicted faster than a plan of ``evaluations`` on the
+    rows (``prog``) or the recursion (``prog is None``); see `loop_seconds`."""
+    backend = jax.default_backend()
+    profile = step_profile(body)
+    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+    executor = "recursion" if prog is None else "rows"
+    other_iterations = evaluations if prog is None else evaluations + len(prog.primal_rows)
+    mine = loop_seconds(
+        static.evaluations, static.loop_iterations, "static", step=step, backend=backend
+    )
+    theirs = loop_seconds(evaluations, other_iterations, executor, step=step, backend=backend)
+    return mine <= theirs
 
 
 @functools.lru_cache(maxsize=64)
@@ -655,6 +768,9 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
         spec, _, prog, budget = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
+        if isinstance(prog, StaticPlan):
+            c, ys, saved = _static.forward(b, prog, consts, init, xs, unroll=k)
+            return (c, ys), (consts, init, xs, saved, None, Static((b, spec, prog, budget)))
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(
                 b, spec, budget, consts, init, xs, num_steps, unroll=unroll
@@ -670,7 +786,11 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         ct_c_f = instantiate(ct_c, b.carry_avals, b.carry_mask)
         ct_ys_f = instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
         refuse_reverse_over_reverse((res, cts), name=_NAME)
-        if prog is None:
+        if isinstance(prog, StaticPlan):
+            ct_k, ct_init, ct_xs = _static.backward(
+                b, prog, consts, xs, slots, ct_c_f, ct_ys_f, unroll=k
+            )
+        elif prog is None:
             ct_k, ct_init, ct_xs = _recursion.scan_backward(
                 b, spec, budget, num_steps, consts, init, xs, slots, working, ct_c_f, ct_ys_f,
                 unroll=k,

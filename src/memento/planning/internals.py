@@ -14,6 +14,9 @@ Not user API: names here may change between versions. NumPy only, like the rest 
   `CHAIN_POLICIES`, `ChainPolicy`.
 - Closed forms' splits and tables: `hsm_split`, `ism_split`, `ism_column`,
   `checkpoints_at`, `msm_estimate_s`.
+- Static plans (nested segments of static lengths, the static executor's):
+  `StaticPlan`, `plan_static`, `static_plan`, `nest_schedule`; what a plan's loops cost:
+  `LoopCosts`, `loop_costs`, `loop_seconds`, `step_seconds`.
 """
 
 from ._auto import (
@@ -40,6 +43,12 @@ from ._layers import (
     plan_layers as plan_layers,
 )
 from ._msm import msm_estimate_s as msm_estimate_s
+from ._nest import (
+    StaticPlan as StaticPlan,
+    nest_schedule as nest_schedule,
+    plan_static as plan_static,
+    static_plan as static_plan,
+)
 from ._online import checkpoints_at as checkpoints_at
 from ._schedule import (
     INITIAL as INITIAL,
@@ -48,4 +57,10 @@ from ._schedule import (
     first_backward as first_backward,
     stack_depths as stack_depths,
     two_level_depths as two_level_depths,
+)
+from ._time import (
+    LoopCosts as LoopCosts,
+    loop_costs as loop_costs,
+    loop_seconds as loop_seconds,
+    step_seconds as step_seconds,
 )

@@ -1,0 +1,236 @@
+"""The static executor: a `StaticPlan` run as nested ``lax.scan``s of static lengths.
+
+Every loop has a trip count known when the program is traced, and the innermost
+segments are back-propagated by ``lax.scan``'s own VJP, so XLA compiles each as it
+compiles ``lax.scan``. The plan's pieces run in order in the forward pass, each keeping
+what `memento.planning.StaticPlan` says (the internal states of a piece stored whole, the
+carries at the starts of a nest's outer segments), and in reverse in the backward pass.
+
+Leaves are flat and split as the `Body` differentiates them: ``*_f`` leaves are
+differentiated (cotangents flow), the others are closed over. A segment's start is the
+full carry, so integer and other undifferentiated leaves are replayed exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..planning.internals import StaticPlan
+from ._body import Body, merge, split
+
+Leaves = list
+
+
+def _slice(xs: Sequence, start, n: int) -> Leaves:
+    """``x[start:start + n]`` of each leaf; ``start`` may be traced."""
+    return [lax.dynamic_slice_in_dim(x, start, n) for x in xs]
+
+
+def _run(b: Body, consts, c, xs, start, n: int, unroll: int):
+    """``n`` primal steps from ``c`` at step ``start``: ``(carry, ys)``, as ``lax.scan``.
+
+    Each step reads its slice of the full ``xs``: no segment of ``xs`` is copied."""
+
+    def step(state, _):
+        c, i = state
+        c, y = b(consts, c, [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs])
+        return (c, i + 1), y
+
+    (c, _), ys = lax.scan(step, (list(c), start), None, length=n, unroll=unroll)
+    return c, ys
+
+
+def _counted(f: Callable, state, n: int, *, reverse: bool = False):
+    """``lax.scan`` of ``f(state, i)`` for ``i`` in ``range(n)`` (last first with
+    ``reverse``), the index counted in the carry rather than read from an array."""
+
+    def body(carry, _):
+        state, i = carry
+        i = i - 1 if reverse else i
+        state, out = f(state, i)
+        return (state, i if reverse else i + 1), out
+
+    (state, _), out = lax.scan(body, (state, jnp.int32(n if reverse else 0)), None, length=n)
+    return state, out
+
+
+def _segment_vjp(b: Body, consts, c0, xs_seg, n: int, unroll: int):
+    """``n`` steps from ``c0`` keeping their internal states: ``(carry, ys, pullback)``,
+    the pullback mapping ``(ct_carry_f, ct_ys_f)`` to ``(ct_consts_f, ct_c0_f, ct_xs_f)``."""
+    kf, ki = split(consts, b.const_mask)
+    cf, ci = split(c0, b.carry_mask)
+    xf, xi = split(xs_seg, b.x_mask)
+
+    def segment(kf, cf, xf):
+        k = merge(kf, ki, b.const_mask)
+
+        def step(carry, x):
+            c, y = b(k, merge(*carry, b.carry_mask), merge(*x, b.x_mask))
+            return split(c, b.carry_mask), split(y, b.y_mask)
+
+        (c_f, c_i), (y_f, y_i) = lax.scan(step, (cf, ci), (xf, xi), length=n, unroll=unroll)
+        return (c_f, y_f), (c_i, y_i)
+
+    (c_f, y_f), pullback, (c_i, y_i) = jax.vjp(segment, kf, cf, xf, has_aux=True)
+    return merge(c_f, c_i, b.carry_mask), merge(y_f, y_i, b.y_mask), pullback
+
+
+@jax.tree_util.register_pytree_node_class
+class _Kept:
+    """A stored piece's pullback as residuals: its leaves, less the closed-over arrays
+    it holds (the backward pass takes those from the loop's own, as `Body.restore`
+    does; a copy of each would be kept per piece)."""
+
+    def __init__(self, treedef, sources, stored):
+        self.treedef, self.sources, self.stored = treedef, sources, stored
+
+    @classmethod
+    def of(cls, pullback, consts) -> _Kept:
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        sources = tuple(next((j for j, k in enumerate(consts) if l is k), None) for l in leaves)
+        return cls(treedef, sources, [l for l, j in zip(leaves, sources) if j is None])
+
+    def pullback(self, consts) -> Callable:
+        stored = iter(self.stored)
+        leaves = [next(stored) if j is None else consts[j] for j in self.sources]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def tree_flatten(self):
+        return self.stored, (self.treedef, self.sources)
+
+    @classmethod
+    def tree_unflatten(cls, aux, stored):
+        return cls(*aux, list(stored))
+
+
+def forward(b: Body, plan: StaticPlan, consts, init, xs, *, unroll: int = 1):
+    """The forward pass: ``(carry, ys, saved)``, ``saved`` one entry per piece (a
+    pullback, or the stacked starts of its outer segments)."""
+    c, ys, saved, start = list(init), [], [], 0
+    for levels in plan.pieces:
+        n = math.prod(levels)
+        if len(levels) == 1:
+            c, y, pullback = _segment_vjp(b, consts, c, _slice(xs, start, n), n, unroll)
+            saved.append(_Kept.of(pullback, consts))
+        else:
+            c, y, starts = _forward_starts(b, consts, c, xs, start, levels, unroll)
+            saved.append(starts)
+        ys.append(y)
+        start += n
+    ys = [jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*ys)]
+    return c, ys, saved
+
+
+def _forward_starts(b: Body, consts, c, xs, start, levels, unroll: int):
+    """A nest piece forward from step ``start``: its carry, ys, and the starts of its
+    ``K`` outer segments."""
+    k, unit = levels[0], math.prod(levels[1:])
+
+    def segment(c, i):
+        c_end, y = _run(b, consts, c, xs, start + i * unit, unit, unroll)
+        return c_end, (c, y)
+
+    c, (starts, y) = _counted(segment, list(c), k)
+    return c, [a.reshape(k * unit, *a.shape[2:]) for a in y], starts
+
+
+def backward(b: Body, plan: StaticPlan, consts, xs, saved, ct_c, ct_ys, *, unroll: int = 1):
+    """The backward pass: ``(ct_consts_f, ct_init_f, ct_xs_f)`` for the cotangents
+    ``ct_c`` (differentiated carry leaves) and ``ct_ys`` (differentiated ys, stacked)."""
+    kf, _ = split(consts, b.const_mask)
+    xf, _ = split(xs, b.x_mask)
+    state = (list(ct_c), [jnp.zeros_like(k) for k in kf], [jnp.zeros_like(x) for x in xf])
+    offsets = [0]
+    for levels in plan.pieces:
+        offsets.append(offsets[-1] + math.prod(levels))
+    spare: list = []  # arrays of pieces already back-propagated, free to reuse
+    for levels, start, kept in reversed(list(zip(plan.pieces, offsets, saved))):
+        if len(levels) == 1:
+            state = _pull(kept.pullback(consts), state, start, levels[0], ct_ys)
+            continue
+        state = _backward_nest(b, consts, xs, ct_ys, levels, start, kept, state, unroll, spare)
+        spare.extend(kept)
+    ct_c, ct_k, ct_xs = state
+    return ct_k, ct_c, ct_xs
+
+
+def _reuse(spare: list, shape, dtype):
+    """An array of ``shape`` and ``dtype`` taken from ``spare``, or zeros."""
+    for i, a in enumerate(spare):
+        if a.shape == shape and a.dtype == dtype:
+            return spare.pop(i)
+    return jnp.zeros(shape, dtype)
+
+
+def _at(stacked: Sequence, i) -> Leaves:
+    return [lax.dynamic_index_in_dim(a, i, keepdims=False) for a in stacked]
+
+
+def _pull(pullback: Callable, state, start, n: int, ct_ys):
+    """Back-propagate ``n`` steps from ``start`` through their ``pullback``."""
+    ct_c, ct_k, ct_xs = state
+    d_k, d_c, d_x = pullback((ct_c, _slice(ct_ys, start, n)))
+    ct_k = [a + d for a, d in zip(ct_k, d_k)]
+    ct_xs = [lax.dynamic_update_slice_in_dim(a, d, start, 0) for a, d in zip(ct_xs, d_x)]
+    return list(d_c), ct_k, ct_xs
+
+
+def _backward_nest(b, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
+    """Back-propagate a nest piece of ``levels`` from step ``start``: one loop over its
+    innermost segments, last first.
+
+    Segment ``j``'s index at each level is a digit of ``j`` in the mixed radix of the
+    levels. Each inner level keeps the starts of sub-segments 2..K of the segment above
+    it, run again (a ``lax.cond``) when the walk enters that segment from its end. One
+    loop rather than loops nested per level: the loop's operands (``ct_ys`` and ``xs``,
+    which XLA may keep as unmaterialised broadcasts) reach the innermost VJP through
+    one loop boundary, as in ``lax.scan``'s own backward.
+    """
+    *ks, inner = levels
+    units = [math.prod(levels[d + 1 :]) for d in range(len(ks))]  # steps per segment
+    counts = [math.prod(ks[d + 1 :]) for d in range(len(ks))]  # innermost per segment
+    carry0 = _at(outer_starts, 0)
+    # Level d's buffer is bufs[d - 1]: a later piece's stored starts where one has its
+    # shape (a fused last segment's do), so that XLA reuses that memory, else zeros.
+    # Every buffer is filled before it is read.
+    bufs = [[_reuse(spare, (k - 1, *a.shape), a.dtype) for a in carry0] for k in ks[1:]]
+
+    def refill(buf, c, pos, count, unit):
+        """Runs ``count`` sub-segments of ``unit`` steps from ``c`` at step ``pos``,
+        writing each end (the next one's start) into ``buf`` in place."""
+
+        def one(i, state):
+            c, buf = state
+            c, _ = _run(b, consts, c, xs, pos + i * unit, unit, unroll)
+            return c, [lax.dynamic_update_index_in_dim(a, v, i, 0) for a, v in zip(buf, c)]
+
+        return lax.fori_loop(0, count, one, (list(c), buf))[1]
+
+    def one(carry, j):
+        state, bufs = carry
+        digits = [(j // counts[d]) % ks[d] for d in range(len(ks))]
+        c = _at(outer_starts, digits[0])
+        pos = start + digits[0] * units[0]
+        new_bufs = []
+        for d in range(1, len(ks)):
+            # Entering a level d-1 segment from its end: all lower digits at their last.
+            entering = functools.reduce(
+                jnp.logical_and, [digits[e] == ks[e] - 1 for e in range(d, len(ks))]
+            )
+            # A loop of 0 or K-1 trips rather than a cond: the buffer is updated in place.
+            buf = refill(bufs[d - 1], c, pos, jnp.where(entering, ks[d] - 1, 0), units[d])
+            new_bufs.append(buf)
+            later = _at(buf, jnp.maximum(digits[d] - 1, 0))
+            c = [jnp.where(digits[d] == 0, a, s) for a, s in zip(c, later)]
+            pos = pos + digits[d] * units[d]
+        _, _, pullback = _segment_vjp(b, consts, c, _slice(xs, pos, inner), inner, unroll)
+        return (_pull(pullback, state, pos, inner, ct_ys), new_bufs), None
+
+    (state, _), _ = _counted(one, (state, bufs), math.prod(ks), reverse=True)
+    return state

@@ -1,0 +1,370 @@
+"""Static schedules: nested segments of static lengths, planned for a byte budget.
+
+A *nest* of levels ``(K_1, ..., K_{n-1}, L)`` covers ``K_1 * ... * K_{n-1} * L`` steps.
+The forward pass stores the carry at the start of each of its ``K_1`` outer segments. The
+backward pass takes the outer segments last to first; for each it runs the segment
+forward again, storing the starts of its ``K_2`` sub-segments, and so on down to the
+innermost segments of ``L`` steps, which run once more keeping every step's residuals
+(the step's internal states) and are back-propagated at once. A nest of one level ``(L,)``
+keeps every residual from the forward pass on: plain BPTT over ``L`` steps.
+
+A *static plan* is a sequence of nests (pieces) run one after another: a prefix stored
+whole beside a nested remainder, or a remainder that does not fill a whole outer segment.
+Its structure is fixed when the loop is traced, so an executor runs it as nested loops of
+known trip counts (``lax.scan``), with no schedule to read.
+
+Memory is counted in bytes: ``carry`` bytes per stored carry and ``residual`` bytes per
+step's internal state, so a carry and an internal state need not be whole multiples of
+each other. `nest_schedule` writes any plan as schedule rows, so `simulate` replays it
+and counts its evaluations and peak slots as it does any schedule's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ._schedule import INITIAL, Op, Schedule
+
+__all__ = ["StaticPlan", "nest_schedule", "plan_static", "static_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticPlan:
+    """Nests of static segment lengths, run in order (see the module docstring).
+
+    Attributes:
+        pieces: each piece's levels ``(K_1, ..., L)``, outermost first; a piece covers the
+            product of its levels in steps, the pieces together every step in order.
+        carry_bytes, residual_bytes: what one stored carry and one step's internal
+            state take.
+        stream_bytes: what a step of a segment being back-propagated takes besides its
+            internal state: its slices of ``xs`` and of the outputs' cotangents, and the
+            cotangent of its ``xs``.
+        level_bytes: what each level of a nest beyond the second takes besides its stored
+            starts (the executor's loop state for it).
+    """
+
+    pieces: tuple[tuple[int, ...], ...]
+    carry_bytes: int
+    residual_bytes: int
+    stream_bytes: int = 0
+    level_bytes: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return sum(math.prod(p) for p in self.pieces)
+
+    @property
+    def evaluations(self) -> int:
+        """Forward evaluations of the step, the first sweep included (the paper's C)."""
+        return sum(_piece_evaluations(p) for p in self.pieces)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes of stored carries and internal states live at once."""
+        c, r = self.carry_bytes, self.residual_bytes
+        held, peak = 0, 0
+        for p in self.pieces:  # a piece runs its backward with every earlier one stored
+            extra = p[-1] * self.stream_bytes + max(0, len(p) - 2) * self.level_bytes
+            peak = max(peak, held + _piece_peak(p, c, r) + extra)
+            held += _piece_stored(p, c, r)
+        return peak
+
+    @property
+    def loop_iterations(self) -> int:
+        """Iterations of the executor's loops, forward and backward (one per step or
+        segment each loop visits): what a per-iteration overhead multiplies."""
+        return sum(_piece_iterations(p) for p in self.pieces)
+
+    @property
+    def depth(self) -> int:
+        """Most levels of any piece: 1 is BPTT, 2 nested sqrt(T)-like."""
+        return max(len(p) for p in self.pieces)
+
+
+def _piece_evaluations(levels: tuple[int, ...]) -> int:
+    steps = math.prod(levels)
+    if len(levels) == 1:
+        return steps  # residuals kept by the forward pass itself
+    return steps + levels[0] * _segment_evaluations(levels[1:])
+
+
+def _segment_evaluations(levels: tuple[int, ...]) -> int:
+    """Evaluations to back-propagate one segment whose start carry is held."""
+    if len(levels) == 1:
+        return levels[0]
+    # The last sub-segment's start is the carry the walk ends on: K - 1 run forward.
+    return (levels[0] - 1) * math.prod(levels[1:]) + levels[0] * _segment_evaluations(
+        levels[1:]
+    )
+
+
+def _piece_stored(levels: tuple[int, ...], c: int, r: int) -> int:
+    """Bytes a piece keeps from its forward pass until its backward."""
+    return levels[0] * r if len(levels) == 1 else levels[0] * c
+
+
+def _piece_peak(levels: tuple[int, ...], c: int, r: int) -> int:
+    if len(levels) == 1:
+        return levels[0] * r
+    return levels[0] * c + _piece_peak(levels[1:], c, r)
+
+
+def _piece_iterations(levels: tuple[int, ...]) -> int:
+    steps = math.prod(levels)
+    if len(levels) == 1:
+        return 2 * steps
+    return steps + levels[0] + levels[0] * _segment_iterations(levels[1:])
+
+
+def _segment_iterations(levels: tuple[int, ...]) -> int:
+    if len(levels) == 1:
+        return 2 * levels[0]  # the VJP's forward and backward loops
+    sub = math.prod(levels[1:])
+    return (levels[0] - 1) * (sub + 1) + levels[0] * (1 + _segment_iterations(levels[1:]))
+
+
+def _nest_pieces(steps: int, inner: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``steps`` steps as whole outer segments of ``inner`` levels, and the remainder as
+    nests of the levels below (down to one piece stored whole)."""
+    if steps == 0:
+        return []
+    if not inner:
+        return [(steps,)]
+    unit = math.prod(inner)
+    k = steps // unit
+    head = [_drop_ones((k, *inner))] if k else []
+    return head + _nest_pieces(steps - k * unit, inner[1:])
+
+
+def _fuse_last(pieces: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The last piece's last segment run by the forward pass as a nest of its own, down
+    to a last innermost segment whose internal states the forward pass keeps: the
+    backward pass starts there without running it again."""
+    if not pieces or len(pieces[-1]) == 1:
+        return pieces
+    *head, last = pieces
+    rest = [(last[0] - 1, *last[1:])] if last[0] > 1 else []
+    return [_drop_ones(p) for p in head + rest] + _fuse_last([_drop_ones(last[1:])])
+
+
+def _drop_ones(levels: tuple[int, ...]) -> tuple[int, ...]:
+    """Inner levels of one segment add a stored carry and nothing else."""
+    if len(levels) < 2:
+        return levels
+    return levels[:1] + tuple(k for k in levels[1:-1] if k > 1) + levels[-1:]
+
+
+def static_plan(
+    num_steps: int,
+    levels: tuple[int, ...],
+    *,
+    carry_bytes: int,
+    residual_bytes: int,
+    stream_bytes: int = 0,
+) -> StaticPlan:
+    """The static plan of ``num_steps`` steps in segments of ``levels[1:]``: whole outer
+    segments of ``math.prod(levels[1:])`` steps, the rest as smaller nests.
+
+    ``levels[0]`` is ignored but for its count: ``levels=(0, L)`` is nested segments of
+    ``L`` steps; ``(0, K, L)`` three levels; ``(num_steps,)`` keeps every step.
+    """
+    if num_steps < 1:
+        raise ValueError(f"memento.planning.static_plan: num_steps={num_steps} is not >= 1.")
+    if any(k < 1 for k in levels[1:]):
+        raise ValueError(f"memento.planning.static_plan: levels {levels} must be >= 1.")
+    pieces = _fuse_last(_nest_pieces(num_steps, tuple(levels[1:])))
+    return StaticPlan(tuple(pieces), carry_bytes, residual_bytes, stream_bytes)
+
+
+def _candidates(num_steps: int, depth: int, c: int, r: int) -> list[tuple[int, ...]]:
+    """Inner levels ``(K_2, ..., L)`` worth trying for a nest of ``depth`` levels: the
+    balanced split (each level's stored bytes equal) and its neighbours."""
+    if depth == 1:
+        return [()]
+    out = set()
+    # Balanced: K_i * c equal at every outer level and L * r the same.
+    ratio = c / max(r, 1)
+    for scale in np.geomspace(0.25, 4.0, 13):
+        k = max(1.0, (num_steps * ratio ** (depth - 1)) ** (1.0 / depth))  # K per level
+        inner_len = max(1, round(scale * k / ratio))
+        mids = []
+        rest = num_steps / inner_len
+        for level in range(depth - 2):
+            kk = max(1, round(rest ** (1.0 / (depth - 1 - level))))
+            mids.append(kk)
+            rest /= kk
+        out.add((*mids, min(inner_len, num_steps)))
+    if depth == 2:  # beside stored steps the best segment is longer: try every scale
+        out.update((int(n),) for n in np.unique(np.geomspace(1, num_steps, 40).astype(int)))
+    return sorted(out)
+
+
+def plan_static(
+    num_steps: int,
+    budget_bytes: float,
+    *,
+    carry_bytes: int,
+    residual_bytes: int,
+    stream_bytes: int = 0,
+    level_bytes: int = 0,
+    max_depth: int = 4,
+    fewest_bytes: bool = False,
+) -> StaticPlan | None:
+    """The static plan of fewest evaluations (then fewest loop iterations) whose stored
+    states fit ``budget_bytes``, or None if none of up to ``max_depth`` levels fits;
+    with ``fewest_bytes``, the candidate of fewest bytes instead.
+
+    Candidates: every step stored (BPTT); nests of 2 to ``max_depth`` levels balanced for
+    the bytes of a carry and of an internal state; and each nest followed by as many
+    steps stored whole as the budget allows (their internal states are freed before the
+    nest's backward pass begins, so they cost only beside the nest's outer starts).
+    """
+    c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
+    sizes = (c, r, s, int(level_bytes))
+    best: StaticPlan | None = None
+
+    def key(p: StaticPlan):
+        return (p.peak_bytes, p.evaluations) if fewest_bytes else (p.evaluations, p.loop_iterations)
+
+    def consider(p: StaticPlan | None) -> None:
+        nonlocal best
+        if p is not None and p.peak_bytes <= budget_bytes and (best is None or key(p) < key(best)):
+            best = p
+
+    consider(StaticPlan(((num_steps,),), *sizes))
+    for depth in range(2, max_depth + 1):
+        for inner in _candidates(num_steps, depth, c, r + s):
+            consider(StaticPlan(tuple(_fuse_last(_nest_pieces(num_steps, inner))), *sizes))
+            if not fewest_bytes:
+                consider(_with_suffix(num_steps, inner, budget_bytes, sizes))
+    return best
+
+
+def _with_suffix(num_steps: int, inner: tuple[int, ...], budget: float, sizes):
+    """Whole outer segments of ``inner`` levels, then the rest stored whole: the fewest
+    outer segments that fit ``budget`` (the peak falls as segments replace stored
+    steps), or None."""
+    unit = math.prod(inner)
+
+    def plan(k: int) -> StaticPlan:
+        head = [_drop_ones((k, *inner))] if k else []
+        tail = [(num_steps - k * unit,)] if num_steps > k * unit else []
+        return StaticPlan(tuple(head + tail), *sizes)
+
+    lo, hi = 0, num_steps // unit
+    if plan(hi).peak_bytes > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if plan(mid).peak_bytes <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return plan(lo)
+
+
+def nest_schedule(plan: StaticPlan) -> Schedule:
+    """``plan`` as schedule rows, to replay with `Schedule.simulate`.
+
+    The rows are what the static executor runs: each nest piece stores its start and the
+    starts of its outer segments 2..K; a segment's backward stores the starts of its
+    sub-segments 2..K and takes the first's from its parent. Slots are counted as the
+    schedule model counts them: a carry takes one, an internal state
+    ``alpha = ceil(residual_bytes / carry_bytes)``; ``memory`` is the replayed peak.
+    """
+    rows: list[tuple[int, int, int]] = []
+    free: list[int] = []
+    top = [0]
+
+    def take() -> int:
+        if free:
+            return free.pop()
+        top[0] += 1
+        return top[0] - 1
+
+    def save_hidden(pos: int) -> int:
+        j = take()
+        rows.append((int(Op.SAVE_HIDDEN), j, pos))
+        return j
+
+    def release(j: int, pos: int) -> None:
+        if j >= 0:
+            rows.append((int(Op.FREE_HIDDEN), j, pos))
+            free.append(j)
+
+    def advance(pos: int, n: int) -> None:
+        if n:
+            rows.append((int(Op.ADVANCE), n, pos))
+
+    def save_internals(pos: int, n: int) -> list[int]:
+        slots = [take() for _ in range(n)]
+        for p, j in zip(range(pos, pos + n), slots):
+            rows.append((int(Op.SAVE_INTERNAL), j, p))
+        return slots
+
+    def backward_internals(pos: int, slots: list[int]) -> None:
+        for p, j in reversed(list(zip(range(pos, pos + len(slots)), slots))):
+            rows.append((int(Op.BACKWARD_INTERNAL), j, p))
+            rows.append((int(Op.FREE_INTERNAL), j, p))
+            free.append(j)
+
+    def forward_starts(pos: int, levels: tuple[int, ...]) -> list[int]:
+        """From ``h_pos``, store the starts of segments 2..K (and stop at the last)."""
+        unit = math.prod(levels[1:])
+        starts = []
+        for i in range(1, levels[0]):
+            advance(pos + (i - 1) * unit, unit)
+            starts.append(save_hidden(pos + i * unit))
+        return starts
+
+    def backward_segments(pos: int, levels: tuple[int, ...], first: int, starts: list[int]):
+        unit = math.prod(levels[1:])
+        for i in reversed(range(levels[0])):
+            p, held = pos + i * unit, first if i == 0 else starts[i - 1]
+            rows.append((int(Op.LOAD_HIDDEN), held, p))
+            segment_backward(p, levels[1:], held)
+            if i:
+                release(held, p)
+
+    def segment_backward(pos: int, levels: tuple[int, ...], held: int) -> None:
+        """Back-propagate a segment whose start ``h_pos`` is the current state, held in
+        slot ``held``."""
+        if len(levels) == 1:
+            backward_internals(pos, save_internals(pos, levels[0]))
+        else:
+            backward_segments(pos, levels, held, forward_starts(pos, levels))
+
+    pos, kept = 0, []
+    for levels in plan.pieces:  # the forward pass
+        n = math.prod(levels)
+        if len(levels) == 1:
+            kept.append((pos, levels, -1, save_internals(pos, n)))
+        else:
+            first = save_hidden(pos) if pos else INITIAL
+            starts = forward_starts(pos, levels)
+            unit = math.prod(levels[1:])
+            advance(pos + (levels[0] - 1) * unit, unit)
+            kept.append((pos, levels, first, starts))
+        pos += n
+    for start, levels, first, slots in reversed(kept):  # the backward pass
+        if len(levels) == 1:
+            backward_internals(start, slots)
+        else:
+            backward_segments(start, levels, first, slots)
+            release(first, start)
+    alpha = max(1, -(-plan.residual_bytes // max(plan.carry_bytes, 1)))
+    schedule = Schedule(
+        num_steps=plan.num_steps,
+        memory=2**62,
+        policy="static",
+        cost=plan.evaluations,
+        actions=np.asarray(rows, dtype=np.int64).reshape(-1, 3),
+        alpha=alpha,
+        beta=alpha,
+        counts_initial=True,
+    )
+    return dataclasses.replace(schedule, memory=schedule.simulate().peak_memory)

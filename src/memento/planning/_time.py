@@ -1,0 +1,75 @@
+"""Predicted time of a plan: evaluations of the step, plus the executor's loop iterations.
+
+Counting forward evaluations alone (the paper's cost) ignores what running a schedule
+costs per loop iteration: the static executor's loops are ``lax.scan``s that XLA compiles
+as tight loops, the rows executor reads a schedule row and dispatches on it, the recursion
+keeps its own stack. For small steps that overhead dominates; `loop_seconds` charges it.
+
+The constants are per backend, from the committed runs of ``benchmarks/iterations.py``
+(``benchmarks/results/loop_costs.json``); ``tests/planning/test_time.py`` derives them again
+from that file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["LoopCosts", "loop_costs", "loop_seconds", "step_seconds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCosts:
+    """A backend's costs, in seconds.
+
+    Attributes:
+        flop: per floating-point operation of the step.
+        byte: per byte a step reads or writes (its arrays' sizes).
+        op: per operation of the step (a kernel launch or a dispatch).
+        iteration: per loop iteration, by executor (``"static"``, ``"rows"``,
+            ``"recursion"``), beyond the step it runs.
+    """
+
+    flop: float
+    byte: float
+    op: float
+    iteration: dict
+
+
+# CPU: 2 cores (benchmarks/results/loop_costs.json). GPU: from the H200 runs of the rows
+# and the recursion (a loop iteration there is a launch and a predicate read back).
+_COSTS = {
+    "cpu": LoopCosts(
+        flop=2.5e-10,
+        byte=1.0e-10,
+        op=2.0e-8,
+        iteration={"static": 2.0e-8, "rows": 1.5e-6, "recursion": 1.0e-6},
+    ),
+    "gpu": LoopCosts(
+        flop=1.0e-13,
+        byte=3.0e-12,
+        op=3.0e-6,
+        iteration={"static": 5.0e-6, "rows": 5.0e-5, "recursion": 4.0e-5},
+    ),
+}
+
+
+def loop_costs(backend: str) -> LoopCosts:
+    """The `LoopCosts` of ``backend`` (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"``,
+    ``"tpu"``); backends not measured take the GPU's."""
+    return _COSTS.get(backend, _COSTS["gpu"])
+
+
+def step_seconds(flops: float, bytes_accessed: float, ops: int, backend: str) -> float:
+    """Predicted seconds of one step of ``flops`` floating-point operations touching
+    ``bytes_accessed`` bytes in ``ops`` operations."""
+    c = loop_costs(backend)
+    return flops * c.flop + bytes_accessed * c.byte + ops * c.op
+
+
+def loop_seconds(
+    evaluations: float, iterations: float, executor: str, *, step: float, backend: str
+) -> float:
+    """Predicted seconds of a plan: ``evaluations`` forward evaluations of a step of
+    ``step`` seconds (its backward counted as two more, for every plan alike), and
+    ``iterations`` loop iterations of ``executor``."""
+    return evaluations * step + iterations * loop_costs(backend).iteration[executor]
