@@ -55,7 +55,7 @@ def _params(t, h=3, seed=0):
     )
 
 
-GRAD = functools.partial(jax.grad, argnums=(0, 1, 2))
+GRAD = functools.partial(jax.grad, argnums=(1, 2, 3))  # of (scan, w, h0, xs, ...)
 
 SHAPES = [
     (1, (0,)),
@@ -78,7 +78,7 @@ def test_gradients_equal_lax_scan_for_every_shape_of_plan(monkeypatch, num_steps
     w, h0, xs = _params(num_steps)
     ref = GRAD(_loss)(lax.scan, w, h0, xs)
     scan = functools.partial(memento.scan, memory="1TiB", executor="static")
-    got = jax.jit(GRAD(lambda w, h0, xs: _loss(scan, w, h0, xs)))(w, h0, xs)
+    got = jax.jit(functools.partial(GRAD(_loss), scan))(w, h0, xs)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
@@ -207,14 +207,10 @@ def test_vmap_reverse_unroll_and_xs_none(monkeypatch):
         return jnp.sum(ys) + jnp.sum(h)
 
     for kw in ({"reverse": True}, {"unroll": 3}, {"unroll": True}):
-        ref = jax.vmap(GRAD(loss), (None, None, None, 0))(lax.scan, w, h0, batch)
-        got = jax.vmap(
-            GRAD(lambda w, h0, xs: loss(memento.scan, w, h0, xs, memory=3, executor="static", **kw)),
-            (None, None, 0),
-        )(w, h0, batch)
-        ref = jax.vmap(GRAD(lambda w, h0, xs: loss(lax.scan, w, h0, xs, **kw)), (None, None, 0))(
-            w, h0, batch
-        )
+        mine = functools.partial(memento.scan, memory=3, executor="static", **kw)
+        got = jax.vmap(functools.partial(GRAD(loss), mine), (None, None, 0))(w, h0, batch)
+        theirs = functools.partial(lax.scan, **kw)
+        ref = jax.vmap(functools.partial(GRAD(loss), theirs), (None, None, 0))(w, h0, batch)
         for a, b in zip(got, ref):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
