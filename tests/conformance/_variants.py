@@ -80,12 +80,22 @@ HOST = [
     Variant("host-auto-third-inf", T // 3, "auto", host_memory=math.inf, transfer_cost=0.5),
     Variant("host-auto-bytes", "96B", "auto", host_memory="1MiB", transfer_cost=0.3),
 ]
-MEMENTO = [*ROWS, *RECURSION, *HOST]
+# The static executor (nested lax.scans of static lengths), planned by auto for a slot or
+# byte budget: 60% of what storing every step takes makes it nest.
+STATIC = [
+    Variant("static-slots", "60%", "auto", executor="static"),
+    Variant("static-unroll", "60%", "auto", unroll=2, executor="static"),
+    Variant("static-bytes", "64KiB", "auto", executor="static"),
+]
+MEMENTO = [*ROWS, *RECURSION, *HOST, *STATIC]
 # A smaller set for the costlier tests (vmap, second order, complex and low precision,
 # ...): each executor (rows, recursion, host level) at one slot and with unroll, MSM's
 # rows and the host level's. Auto runs the program of the policy it picks (through the
 # recursion, HSM's): auto-third and its twin run the gradient tests, and auto the PATHS.
-_FEW = ["hsm-1", "hsm-rec-1", "msm-third", "hsm-unroll", "hsm-rec-unroll", "host-msm-2-3"]
+_FEW = [
+    "hsm-1", "hsm-rec-1", "msm-third", "hsm-unroll", "hsm-rec-unroll", "host-msm-2-3",
+    "static-slots",
+]  # fmt: skip
 FEW = [v for v in MEMENTO if v.name in _FEW]
 # One variant per way a state is stored: FEW with ISM's internal states, auto planning
 # from a byte budget (sized from the dtypes) and auto over an unbounded host level. The

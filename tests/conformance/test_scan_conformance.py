@@ -412,7 +412,9 @@ def test_variants_really_are_budgeted():
     for s in MEMENTO:
         assert "custom_vjp_call" in str(jax.make_jaxpr(functools.partial(loss, s))(C0))
         # the backward pass is memento's interpreter loop, where lax.scan's is a scan
-        assert "while[" in str(jax.make_jaxpr(jax.grad(functools.partial(loss, s)))(C0))
+        # (the static executor's is nested scans: its plans are checked in test_scan_static)
+        if s.executor != "static":
+            assert "while[" in str(jax.make_jaxpr(jax.grad(functools.partial(loss, s)))(C0))
     assert "while[" not in str(jax.make_jaxpr(jax.grad(functools.partial(loss, LAX)))(C0))
     # and the recursion twins run another backward pass than their rows variant
     jaxpr = lambda s: str(jax.make_jaxpr(jax.grad(functools.partial(loss, s)))(C0))

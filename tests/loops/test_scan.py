@@ -73,19 +73,16 @@ def _rnn_schedule(policy, memory):
 
 
 def test_auto_runs_the_schedules_of_the_gradient_cases():
-    # At every budget below, auto plans exactly HSM's or MSM's schedule: the program that
-    # test_gradients_equal_lax_scan compiles and checks for that policy. (auto was a
-    # parameter of it too, compiling those twice.) Which of the two it picks at 5 slots
-    # depends on the JAX version: the cell's residuals are 5 carries under jax 0.10 and 4
-    # under 0.11 (measured on the H200 session), and at alpha 4 MSM saves one evaluation.
+    # At every budget below, auto plans either a static plan (nested segments, see
+    # test_scan_static.py) or exactly HSM's or MSM's schedule: the program that
+    # test_gradients_equal_lax_scan compiles and checks for that policy.
     for memory in MEMORIES:
         auto = _rnn_schedule("auto", memory)
+        if auto.policy == "static":
+            assert auto.simulate().forward_evaluations == auto.cost, memory
+            continue
         assert auto == _rnn_schedule(auto.policy, memory), memory
         assert auto.policy in ("hsm", "msm"), memory
-        # Where the rows cost extra per step (a GPU), auto may keep HSM on the recursion.
-        rows_free = _scan.auto_charges(auto.num_steps, "auto").rows_step == 0
-        if rows_free and (memory <= 3 or memory >= 8):
-            assert auto.policy == ("hsm" if memory <= 3 else "msm"), memory
 
 
 def test_auto_charges_the_rows_by_backend():

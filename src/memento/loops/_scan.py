@@ -74,99 +74,50 @@ def scan(
     host_memory: int | float | str | Bytes | None = None,
     transfer_cost: float | tuple[float, float] | None = None,
 ) -> tuple[Any, Any]:
-    """``jax.lax.scan`` whose reverse-mode gradient fits a memory budget, optimally.
+    """``jax.lax.scan`` whose reverse-mode gradient fits a memory budget, at the best speed
+    that memory allows.
 
-    The values are those of ``lax.scan(f, init, xs, length, reverse, unroll)``. The
-    gradient is the same too, but the backward pass keeps only what ``memory`` allows and
-    recomputes the rest, following the schedule with the fewest forward evaluations
-    (Gruslys et al. 2016) for that budget. The compiled program does not grow with the
-    number of steps: the schedule is data, read by one loop.
-
-    Pick this over ``lax.scan`` when storing every step's residuals does not fit, and over
-    ``jax.checkpoint`` on the step or nested sqrt(T) scans when you want the fastest
-    gradient for a given memory.
+    The values are those of ``lax.scan(f, init, xs, length, reverse, unroll)``, and so is
+    the gradient; the backward pass keeps only what ``memory`` allows and recomputes the
+    rest. The compiled program does not grow with the number of steps.
 
     Args:
-        f, init, xs, length, reverse, unroll: as ``jax.lax.scan``. ``unroll=k`` also
-            runs k steps per iteration of the backward pass's recomputation loops (the
-            schedule's forward sweeps; each step's VJP still runs in its own iteration of
-            the backward loop). ``True`` unrolls every step, as in ``lax.scan``. On CPU
-            ``unroll=1`` was fastest in every measurement (docs/limitations.md).
-        memory: what the backward pass may keep. ``None``: everything (this is
-            ``lax.scan``). An ``int``: carry-sized slots (the paper's m; one slot holds the
-            initial carry). A string such as ``"256MiB"`` or ``memento.bytes_budget(n)``:
-            bytes, converted to slots from the measured carry size. A percentage such as
-            ``"5%"``: that share of storing every step's residuals, ``floor(0.05 *
-            num_steps * alpha)`` slots (alpha measured, below). Under ``vmap`` sizes are
-            those of one batch member. Carry leaves that ``f`` returns unchanged are, as in
-            ``lax.scan``, constants of the loop: they take no room in slots and do not
-            count in the carry size (and keep their batching under ``vmap``).
-        policy: ``"auto"`` (cheapest of the below that fits), ``"hsm"`` (store carries),
-            ``"ism"`` (store step residuals, "internal states"), ``"msm"`` (mix). The size
-            of a step's residuals relative to the carry (the paper's alpha) is measured
-            when the gradient is traced, from the inputs it differentiates. A budget
-            above what the loop can use (every step's residuals: ``lax.scan``'s memory)
-            is capped at that need.
-        executor: how the backward pass runs the schedule; every choice gives the same
-            gradient with the same forward evaluations. ``"rows"``: the schedule as
-            rows of data read by one loop (any policy). ``"recursion"``: HSM's binomial
-            recursion computed on the device, with no rows (O(slots) to plan at any
-            length; ``policy`` must be ``"hsm"`` or ``"auto"``, which then plans HSM).
-            ``"auto"``: the recursion for HSM plans from `recursion_min_steps` steps on,
-            the rows otherwise (always the rows with ``host_memory``).
-        host_memory: a second level of slots in host memory, beside ``memory`` on the
-            device: carry-sized slots (an ``int``), bytes (``"16GiB"``,
-            `memento.bytes_budget`) or ``math.inf`` (unbounded). The schedule is then
-            `memento.plan`'s two-level plan (HSM, or MSM when a step's residuals take
-            two slots or more; ``policy`` ``"hsm"``, ``"msm"`` or ``"auto"``): it keeps
-            states on the device, copies them to the host, or recomputes them, whichever
-            costs least under its model (forward evaluations plus the part of each
-            copy that one step of compute does not hide). ``memory`` still bounds the
-            device's slots. ``None`` or 0: one level. Runs on the rows executor.
-        transfer_cost: required with ``host_memory``: the time to copy one carry-sized
-            slot to the host and back, in units of one forward step (a number, or
-            ``(write, read)``), e.g. carry bytes / link bandwidth / step time.
-
-    Host placement: host slots are placed in host memory (``jax.memory.Space.Host``,
-    memory kind ``pinned_host``) where JAX has ``jax.memory.Space`` and the default
-    backend a ``pinned_host`` memory: GPUs, TPUs and the CPU (the same RAM there); tested
-    with JAX 0.10.2 on CPU, and lowered for ``cuda``. Elsewhere (older JAX, backends
-    without it) the same schedule runs with every slot on the device, with identical
-    numbers. Under an outer ``jvp`` (``jax.hessian``) host slots stay on the device: JAX
-    0.10.2 builds the zero tangent of a host array in device memory. Each copy is issued
-    by the row that needs it, not prefetched a row ahead: where a copy is slower than a
-    step, the model's ``max(compute, transfer)`` is a lower bound on the time (a copy
-    took 127-170 us for 0.5-2 MiB on an H200, ``benchmarks/host_copy.py``). The gradient
-    with host slots is checked on CPU in float64 and was checked on an H200 (jax 0.11.2:
-    the host tests of ``tests/loops/test_scan_host.py`` passed there, and an LSTM's
-    gradient with host slots equalled ``lax.scan``'s exactly); openxla/xla#46231 gave
-    wrong gradients with offloaded scan residuals on GPU before July 2026: check yours
-    against ``lax.scan`` on a small case (``benchmarks/offload.py`` does).
+        f, init, xs, length, reverse, unroll: as ``jax.lax.scan``.
+        memory: what the gradient may keep. ``None``: everything (this is ``lax.scan``).
+            A string such as ``"256MiB"`` (or `memento.bytes_budget`): the compiled
+            gradient's memory, its working set included. A percentage such as ``"5%"``:
+            that share of what storing every step takes. An ``int``: carry-sized slots
+            for stored states (the paper's m; one holds the initial carry). Under
+            ``vmap`` sizes are per batch member. A budget above need is capped at it.
+        policy: ``"auto"`` (the fastest predicted plan that fits), or an optimal
+            schedule of Gruslys et al.: ``"hsm"`` (store carries), ``"ism"`` (store
+            steps' residuals), ``"msm"`` (mix).
+        executor: how the backward pass runs. ``"static"``: nested ``lax.scan``s of
+            static lengths, compiled as tight loops (``policy="auto"`` only).
+            ``"rows"``: the schedule as rows of data read by one loop (any policy).
+            ``"recursion"``: HSM's binomial recursion on the device (O(slots) state at
+            any length). ``"auto"``: the plan and executor predicted fastest
+            (`memento.loops.scan_schedule` shows the pick).
+        host_memory: a second level of slots in host memory (slots, bytes or
+            ``math.inf``), placed by `memento.plan`'s two-level plan on the rows.
+        transfer_cost: with ``host_memory``: the time to copy one slot to the host and
+            back, in forward steps (a number, or ``(write, read)``).
 
     Returns:
-        ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included (a
-        weakly typed ``init`` takes the dtype the body gives it).
+        ``(carry, ys)``, as ``lax.scan``: dtypes, weak types and shapes included.
 
     Raises:
-        ValueError: a budget too small for one step (the message names the minimum), an
-            unknown policy, inconsistent lengths; ``policy="ism"`` with a budget below one
-            internal state (when the gradient is traced); ``host_memory`` negative, in
-            bytes that hold no carry, without ``transfer_cost``, with ``executor="recursion"`` or
-            ``policy="ism"``, or ``transfer_cost`` without ``host_memory``.
-        TypeError: a body that changes the carry's structure, shapes or dtypes (the
-            message names each leaf); a bad ``memory``; forward mode (see below).
-        NotImplementedError: reverse over reverse (see below).
+        ValueError: a budget below the smallest workable plan (the message names it),
+            an unknown policy or executor, inconsistent lengths, bad ``host_memory``.
+        TypeError: a body that changes the carry's structure, shapes or dtypes; a bad
+            ``memory``; forward mode of a budgeted loop (see below).
+        NotImplementedError: reverse over reverse of a budgeted loop.
 
-    Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (over the call or inside ``f``),
-    nesting, ``jax.checkpoint``; every dtype (complex, bfloat16, ints, bools, keys). Only
-    what is perturbed is differentiated, so ops without a reverse rule may act on leaves
-    that need no gradient. Second order by forward over reverse (``jax.hessian``,
-    ``jax.jvp(jax.grad(f))``, ``jax.jacfwd(jax.jacrev(f))``) is exact. With a budget,
-    forward mode of the loop (``jvp``, ``jacfwd``, reverse over forward) raises a
-    ``TypeError`` and reverse over reverse (``grad(grad(f))``, also through
-    ``jax.checkpoint``) a ``NotImplementedError``:
-    the gradient is a custom VJP whose backward pass is a while loop. ``memory=None``
-    (``lax.scan``) supports both.
+    Transformations: ``jit``, ``grad``/``vjp``, ``vmap``, nesting, ``jax.checkpoint``,
+    every dtype. Second order by forward over reverse (``jax.hessian``,
+    ``jax.jvp(jax.grad(f))``) is exact. With a budget, ``jvp``/``jacfwd`` of the loop
+    raise a ``TypeError`` and ``grad(grad(f))`` a ``NotImplementedError``; ``memory=None``
+    supports both.
 
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
@@ -368,23 +319,11 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule)
 
 
-# HSM runs as a recursion on the device (`_recursion`) from `recursion_min_steps()`
-# steps on, below as a program of schedule rows (`_interpreter`); both make the optimal
-# schedule's evaluations (tests/loops/test_scan_recursion.py, and the conformance suite
-# runs every case through both). The recursion plans nothing on the host: O(slots) at
-# trace time and in memory, whatever the length. The rows cost O(t) to plan and are a
-# constant of O(t) in the program. `python benchmarks/recursion.py`, same gradient
-# forced either way (results/recursion.json, recursion_small.json with
-# ``--no-while --cases ...``):
-# - CPU (2 cores): on small bodies below 3e4 steps the recursion's first call is up to
-#   25% slower (an RNN cell of width 64: 0.25 against 0.20 s at 10^3 steps; even at
-#   3e4), from 1e5 on faster (0.51 against 0.57 s; a 4-float tanh body 0.16 against
-#   0.20 s; at 10^6, 0.17 against 1.19 s). Per gradient they are within -35% to +12%
-#   of each other, the recursion ahead from 3e4 steps on but for one cell of width 4.
-# - GPU (H100, results/gpu/recursion.json): XLA compiles the rows' constant slowly,
-#   1.18 against 0.26 s at 10^4 steps and 12 s at 10^5 (the tanh body); per gradient
-#   the recursion is faster too (1.74 against 2.13 s at 10^4). So off the CPU every HSM
-#   scan runs as the recursion.
+# Between the rows and the recursion, HSM runs as the recursion from
+# `recursion_min_steps()` steps on: both make the optimal schedule's evaluations, the
+# recursion with O(slots) state and no rows to plan or compile (on a GPU XLA compiles the
+# rows slowly, and on CPU the recursion's first call is faster from about 1e5 steps on;
+# benchmarks/results/recursion.json and gpu/recursion.json).
 _RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
 
 Executor = Literal["auto", "static", "rows", "recursion"]
@@ -397,20 +336,10 @@ def recursion_min_steps(backend: str | None = None) -> int:
     return _RECURSION_FROM.get(backend or jax.default_backend(), 1)
 
 
-# What a step on the rows costs beyond one on the recursion, in forward evaluations of
-# the body, by platform: `policy="auto"`'s `Charges.rows_step`. Measured on an H200
-# (jax 0.11.2, results/gpu/lstm_policy.json, one process): the same HSM plan for an LSTM
-# (width 1024, batch 128, 1000 steps, 50 slots) took 0.290 s on the rows and 0.240 s on
-# the recursion, 50.6 us a step; an evaluation of that step costs 41.4 us at the margin
-# (HSM at 250 slots, 0.2 evaluations a step fewer, took 8.3 ms less): 1.22, rounded to
-# 1.25. The 4x4 cell of results/gpu/small_loops.json lost 47 us a step on the rows too:
-# the extra is the executor's (a schedule row read and a branch per loop iteration), not
-# the body's, so a body cheaper than the LSTM's pays more than this in evaluations and
-# one dearer less. On CPU the two executors are within -35% to +12% of each other per
-# gradient (above): no charge. TPUs are not measured: no charge. Two later H200 runs
-# (benchmarks/results/gpu/2026-11-27b/) give 0.30 and 0.21 by the same arithmetic (its
-# marginal evaluation is within their noise), but the picks under 1.25 were the fastest
-# for that LSTM in all three, and for the 4x4 cell only with CUDA graphs on.
+# What a step on the rows costs beyond one on the recursion, in forward evaluations, by
+# platform (`Charges.rows_step`): a schedule row read and a branch per loop iteration,
+# which the recursion does not pay. From the GPU runs of benchmarks/gpu_policy.py
+# (results/gpu/lstm_policy.json); on CPU the two cost alike per step.
 _ROWS_STEP_CHARGE = {"gpu": 1.25}
 
 
@@ -428,6 +357,12 @@ def check_executor(name: str, executor, policy: Policy) -> Executor:
     """``executor`` validated at the boundary (see `memento.scan`)."""
     if executor not in _EXECUTORS:
         raise ValueError(f"{name}: executor must be one of {_EXECUTORS}, got {executor!r}.")
+    if executor == "static" and policy != "auto":
+        raise ValueError(
+            f"{name}: executor='static' runs its own family of plans (nested segments), "
+            f"chosen for the budget by policy='auto'; got policy={policy!r}. Use "
+            "executor='rows' (any policy) or 'recursion' (HSM) for the paper's schedules."
+        )
     if executor == "recursion" and policy not in ("hsm", "auto"):
         raise ValueError(
             f"{name}: executor='recursion' runs HSM's binomial recursion, so policy must "
@@ -588,6 +523,8 @@ def _plan(
     static = None
     if executor in ("static", "auto") and policy == "auto":
         room, kinds = _static_budget(budget, slots, sizes)
+        if isinstance(budget, Bytes) and budget.num_bytes >= num_steps * sizes.residual:
+            room = math.inf  # room for lax.scan's own memory: store every step
         static = plan_static(num_steps, room, **kinds)
     if executor == "static":
         if static is None:
@@ -622,6 +559,10 @@ def _plan(
         if used <= allowed or m == 1:
             if static is not None and _faster_static(body, static, schedule.cost, prog):
                 return spec, None, static, slots
+            if used > allowed and executor == "auto" and isinstance(budget, Bytes):
+                # The rows do not fit; the recursion keeps no rows.
+                hsm = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
+                return spec, hsm, None, slots
             return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
 

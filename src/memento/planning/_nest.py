@@ -66,11 +66,19 @@ class StaticPlan:
     def peak_bytes(self) -> int:
         """Most bytes of stored carries and internal states live at once."""
         c, r = self.carry_bytes, self.residual_bytes
-        held, peak = 0, 0
-        for p in self.pieces:  # a piece runs its backward with every earlier one stored
-            extra = p[-1] * self.stream_bytes + max(0, len(p) - 2) * self.level_bytes
-            peak = max(peak, held + _piece_peak(p, c, r) + extra)
-            held += _piece_stored(p, c, r)
+        # A piece's backward runs with every earlier piece's stored states held; the
+        # internal states of pieces stored whole count as held throughout (XLA's buffer
+        # assignment was seen to keep them until the end of the backward pass).
+        whole = sum(_piece_stored(p, c, r) for p in self.pieces if len(p) == 1)
+        held, peak = whole, 0
+        for p in self.pieces:
+            # A segment run again streams its slices; a piece stored whole reads them in
+            # its backward, which XLA fuses.
+            stream = p[-1] * self.stream_bytes if len(p) > 1 else 0
+            extra = stream + max(0, len(p) - 2) * self.level_bytes
+            own = _piece_peak(p, c, r) - (_piece_stored(p, c, r) if len(p) == 1 else 0)
+            peak = max(peak, held + own + extra)
+            held += _piece_stored(p, c, r) if len(p) > 1 else 0
         return peak
 
     @property

@@ -5,9 +5,10 @@ costs per loop iteration: the static executor's loops are ``lax.scan``s that XLA
 as tight loops, the rows executor reads a schedule row and dispatches on it, the recursion
 keeps its own stack. For small steps that overhead dominates; `loop_seconds` charges it.
 
-The constants are per backend, from the committed runs of ``benchmarks/iterations.py``
-(``benchmarks/results/loop_costs.json``); ``tests/planning/test_time.py`` derives them again
-from that file.
+The constants are per backend and coarse: what separates the executors is orders of
+magnitude (a ``lax.scan`` iteration costs tens of nanoseconds on CPU, a row of the rows
+executor or a node of the recursion about a microsecond), not the digits.
+``benchmarks/pareto.py`` times ``"auto"``'s pick against every forced executor.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class LoopCosts:
     iteration: dict
 
 
-# CPU: 2 cores (benchmarks/results/loop_costs.json). GPU: from the H200 runs of the rows
-# and the recursion (a loop iteration there is a launch and a predicate read back).
+# CPU: a 4-float cell's gradient per evaluation on each executor (benchmarks/pareto.py).
+# GPU: a loop iteration is a launch and a predicate read back, several microseconds.
 _COSTS = {
     "cpu": LoopCosts(
         flop=2.5e-10,

@@ -1,0 +1,87 @@
+"""Static plans (nested segments of static lengths): the planner's count of evaluations and
+bytes against the simulator's replay, at sizes from one step to a million. NumPy only."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from memento.planning.internals import StaticPlan, nest_schedule, plan_static, static_plan
+
+
+@pytest.mark.parametrize("budget", [10**4, 10**5, 10**6])
+@pytest.mark.parametrize("num_steps", [1, 2, 999, 10**4, 10**6])
+def test_every_planned_plan_replays_within_its_bytes(num_steps, budget):
+    plan = plan_static(num_steps, budget, carry_bytes=16, residual_bytes=48, stream_bytes=32)
+    if plan is None:
+        return
+    assert plan.num_steps == num_steps and plan.peak_bytes <= budget
+    assert plan.evaluations >= num_steps
+    if num_steps <= 10**4:
+        schedule = nest_schedule(plan)
+        replay = schedule.simulate()
+        assert replay.forward_evaluations == plan.evaluations
+        # The replay counts slots of a carry (alpha for an internal state) and h_0.
+        assert replay.peak_memory <= math.ceil(plan.peak_bytes / 16) + 1
+
+
+def test_a_budget_for_every_step_stores_every_step():
+    plan = plan_static(1000, 10**9, carry_bytes=16, residual_bytes=48)
+    assert plan.pieces == ((1000,),) and plan.evaluations == 1000
+
+
+def test_fewer_bytes_cost_more_evaluations():
+    costs = [
+        plan_static(10**4, b, carry_bytes=16, residual_bytes=48).evaluations
+        for b in (2 * 10**3, 10**4, 10**5, 10**6)
+    ]
+    assert costs == sorted(costs, reverse=True) and costs[-1] == 10**4
+
+
+def test_static_plans_are_values():
+    p = static_plan(100, (0, 3, 4), carry_bytes=8, residual_bytes=8)
+    assert isinstance(p, StaticPlan) and p == static_plan(100, (0, 3, 4), carry_bytes=8,
+                                                          residual_bytes=8)  # fmt: skip
+    assert hash(p) == hash(static_plan(100, (0, 3, 4), carry_bytes=8, residual_bytes=8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_steps=st.integers(1, 3000),
+    carry=st.integers(1, 4096),
+    residual=st.integers(1, 8192),
+    stream=st.integers(0, 4096),
+    share=st.floats(0.001, 1.5),
+)
+def test_random_sizes_plan_within_the_budget_and_replay(num_steps, carry, residual, stream, share):
+    budget = share * num_steps * (residual + stream)
+    plan = plan_static(
+        num_steps, budget, carry_bytes=carry, residual_bytes=residual, stream_bytes=stream
+    )
+    if plan is None:
+        smallest = plan_static(num_steps, math.inf, carry_bytes=carry, residual_bytes=residual,
+                               stream_bytes=stream, fewest_bytes=True)  # fmt: skip
+        assert smallest is not None and smallest.peak_bytes > budget
+        return
+    assert plan.num_steps == num_steps and plan.peak_bytes <= budget
+    replay = nest_schedule(plan).simulate()
+    assert replay.forward_evaluations == plan.evaluations
+    assert plan.evaluations <= 4 * num_steps
+
+
+def test_a_million_steps_plan_at_once():
+    for budget in (10**4, 10**6, 10**8):
+        plan = plan_static(10**6, budget, carry_bytes=16, residual_bytes=48, stream_bytes=32)
+        assert plan is not None and plan.peak_bytes <= budget and plan.num_steps == 10**6
+
+
+def test_static_plan_refuses_bad_sizes():
+    for args in [(0, (0, 2)), (10, (0, 0))]:
+        try:
+            static_plan(*args, carry_bytes=1, residual_bytes=1)
+        except ValueError as e:
+            assert "memento.planning.static_plan" in str(e)
+        else:
+            raise AssertionError(args)
+    assert np.isfinite(static_plan(10, (0, 3), carry_bytes=1, residual_bytes=1).evaluations)
