@@ -427,7 +427,7 @@ def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
         ValueError: a negative number of slots, an unreadable size string.
     """
     if isinstance(host_memory, str | Bytes):
-        return parse_memory(host_memory, name=name)
+        return parse_memory(host_memory, name=name, arg="host_memory")
     if isinstance(host_memory, float) and host_memory == math.inf:
         return math.inf
     if host_memory is None:

@@ -85,8 +85,9 @@ def bytes_budget(num_bytes: int) -> Bytes:
     return Bytes(num_bytes)
 
 
-def parse_memory(memory, *, name: str) -> int | Bytes:
-    """``memory=`` as given by the user: an int of slots, or `Bytes`."""
+def parse_memory(memory, *, name: str, arg: str = "memory") -> int | Bytes:
+    """``memory=`` as given by the user: an int of slots, or `Bytes`. ``arg`` is the
+    argument's name in messages (``"host_memory"`` for a host level's size string)."""
     if isinstance(memory, Bytes):
         return memory
     if isinstance(memory, str):
@@ -94,14 +95,18 @@ def parse_memory(memory, *, name: str) -> int | Bytes:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ValueError(
-                f"{name}: cannot read memory={memory!r}; pass a size such as '256MiB', "
+                f"{name}: cannot read {arg}={memory!r}; pass a size such as '256MiB', "
                 "'1.5GB' or '4096B', an int number of slots, or memento.bytes_budget(n)."
             )
         num_bytes = int(float(m.group(1)) * _UNITS[unit])
         if num_bytes < 1:
+            fix = (
+                "the smallest budget is one carry (memory=1 slot)"
+                if arg == "memory"
+                else f"pass a size that holds a carry, or an int number of slots ({arg}=0: none)"
+            )
             raise ValueError(
-                f"{name}: memory={memory!r} is {num_bytes} bytes, which holds nothing; "
-                "the smallest budget is one carry (memory=1 slot)."
+                f"{name}: {arg}={memory!r} is {num_bytes} bytes, which holds nothing; {fix}."
             )
         return bytes_budget(num_bytes)
     n = as_int(memory)
