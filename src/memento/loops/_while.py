@@ -1126,7 +1126,10 @@ def _buffer_cts(body: Body, buf_float, write_spec, e, ys, aux):
             cts[w] = ct_b[f] if body.y_mask[k] else None
             continue
         index = tuple(ys[k : k + n_idx])
-        ct = ct_b[f][index]
+        # As the forward's ``.at[index].set`` drops a write out of bounds (past the end,
+        # or before the start after negative indices wrap once), its value takes no
+        # cotangent: read zero there, not the nearest location's.
+        ct = ct_b[f].at[index].get(mode="fill", fill_value=0)
         pred = ys[k + n_idx + 1] if conditional else jnp.bool_(True)
         if body.y_mask[k + n_idx]:  # the value written is differentiated
             cts[w] = jnp.where(pred, ct, jnp.zeros_like(ct)) if conditional else ct
