@@ -133,8 +133,10 @@ def while_loop(
             location may be written at most once, in the loop or before it (unchecked, as
             in Equinox: a second write gives wrong gradients). They are not checkpointed:
             the carries kept in ``memory`` exclude them, and the backward pass hands each
-            written value its cotangent from the buffer's. Indices are integer arrays. A
-            write may be conditional, ``buf.at[i].set(x, pred=p)`` with a bool scalar
+            written value its cotangent from the buffer's. Indices are integer arrays;
+            out of bounds, a write is dropped, as by ``.at[i].set``, and its value
+            gets no cotangent, as in the unrolled loop. A write may be conditional,
+            ``buf.at[i].set(x, pred=p)`` with a bool scalar
             ``p`` (as Equinox's): nothing is written, and no cotangent taken, where ``p``
             is False, so a location may be written under false predicates any number of
             times, and once under a true one. ``buf.at[i].get()`` reads the value the
