@@ -107,7 +107,7 @@ def step(carry_leaves, x_leaves, zero_y):
         out, ys = [], []
         for i, (c, v) in enumerate(zip(carry_leaves, carry)):
             if c.kind == "smooth":
-                v = jnp.tanh(v * consts[i] + k.astype(v.dtype))
+                v = jnp.tanh(v * jnp.asarray(consts[i]).astype(v.dtype) + k.astype(v.dtype))
             elif c.kind == "special":
                 v = v * mult[i]
             elif c.dtype is np.bool_:

@@ -40,10 +40,11 @@ def test_grad_of_a_python_float():
 
 def test_dtypes_lax_scan_takes():
     # complex carries, typed keys, a weakly typed init, a Python literal output
-    c = memento.scan(lambda c, x: (c * x, c), 1 + 1j, jnp.arange(1.0, 4.0), memory=2)
+    mul = lambda c, x: (c * x.astype(c.dtype), c)
+    c = memento.scan(mul, 1 + 1j, jnp.arange(1.0, 4.0), memory=2)
     # (lax.scan marks these ys weakly typed, though its carry is not: weak types of
     # outputs forwarded from a promoted init are the one documented difference.)
-    assert_close(c, lax.scan(lambda c, x: (c * x, c), 1 + 1j, jnp.arange(1.0, 4.0)))
+    assert_close(c, lax.scan(mul, 1 + 1j, jnp.arange(1.0, 4.0)))
     split = lambda k, _: (jax.random.split(k)[0], jax.random.key_data(k))
     assert_close(
         memento.scan(split, jax.random.key(0), None, length=4, memory=2),

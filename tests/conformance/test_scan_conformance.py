@@ -62,7 +62,8 @@ def grad_reverse_xs_none_and_length(scan, reverse):
         c, ys = scan(body, c, xs, reverse=reverse)
         (h, (_, acc)), out = scan(pytree_body, (c, (0, 0.0)), {"scale": xs[:, 1], "v": xs})
         g, zs = scan(lambda c, _: (jnp.sin(c) * 1.1, c[0]), h, None, length=5)
-        return jnp.sum(ys * jnp.arange(T)) + acc + jnp.sum(out["h2"]) + jnp.sum(g) + zs.sum()
+        weights = jnp.arange(T, dtype=ys.dtype)
+        return jnp.sum(ys * weights) + acc + jnp.sum(out["h2"]) + jnp.sum(g) + zs.sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(C0, XS)
 

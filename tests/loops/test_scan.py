@@ -539,3 +539,42 @@ def test_no_xs_cotangent_buffer_when_only_weights_are_differentiated():
     # Only ys' cotangent (one float64 per step) and the schedule's rows (about 62 B a step
     # here) may grow with T, not one x (512 B) per step.
     assert temp(4000) - temp(2000) <= 2000 * 8 * 2 + rows(4000) - rows(2000)
+
+
+@pytest.mark.parametrize("executor", ["rows", "recursion"])
+def test_a_step_whose_pullback_holds_a_closed_over_array(executor):
+    # A rematerialised step that calls fwdrev_grad of a loss closing over an array (an
+    # rmsprop-like update, as memento.meta.inner_loop builds): the step's pullback holds
+    # that array itself, a concrete value captured when the body was traced. The probe
+    # of the residuals sees it as such, and every step returns the same array, which is
+    # not stored per step.
+    rng = np.random.default_rng(5)
+    data = jnp.asarray(rng.normal(size=(4, 3)))
+    w0 = jnp.asarray(rng.normal(size=3))
+    xs = jnp.asarray(rng.uniform(0.05, 0.2, size=7))
+
+    def loss(w):
+        return jnp.sum((data @ w - 1.0) ** 2)
+
+    def step(c, lr):
+        w, v = c
+        g = memento.fwdrev_grad(loss)(w)
+        v = 0.9 * v + 0.1 * g**2
+        return (w - lr * g / (jnp.sqrt(v) + 1e-3), v), jnp.sum(g)
+
+    step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def run(scan, w0, xs):
+        (w, v), ys = scan(step, (w0, jnp.zeros(3)), xs)
+        return jnp.sum(w**2) + jnp.sum(v) + jnp.sum(jnp.sin(ys))
+
+    ours = functools.partial(memento.scan, memory=2, policy="hsm", executor=executor)
+    got = jax.jit(jax.grad(functools.partial(run, ours), (0, 1)))(w0, xs)
+    want = jax.jit(jax.grad(functools.partial(run, lax.scan), (0, 1)))(w0, xs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert float(jnp.max(jnp.abs(want[1]))) > 0.1  # a gradient worth comparing
+    body = memento.loops._body.make_body(step, (w0, jnp.zeros(3)), xs[0], name="test")
+    spec = body.restrict([False] * len(body.consts), [True, True], [True]).residual_spec()
+    assert any(c is data for c in spec.captured)
+    assert all(s.shape != data.shape for s in spec.stored)

@@ -121,7 +121,10 @@ def test_without_memory_kinds_the_same_schedule_runs_on_the_device(monkeypatch):
         (dict(memory=8, host_memory=4, transfer_cost=1.0, policy="ism"), "policy='ism' has no two-level", ValueError),
         (dict(memory=None, host_memory=4, transfer_cost=1.0), "needs a device budget", ValueError),
         (dict(memory=2, host_memory=2.5, transfer_cost=1.0), "host_memory must be None, an int", TypeError),
-        (dict(memory=2, host_memory="lots", transfer_cost=1.0), "cannot read memory='lots'", ValueError),
+        (dict(memory=2, host_memory="lots", transfer_cost=1.0), "cannot read host_memory='lots'", ValueError),
+        (dict(memory=2, host_memory="abc"), "cannot read host_memory='abc'", ValueError),
+        (dict(memory=2, host_memory="0B", transfer_cost=1.0), "host_memory='0B' is 0 bytes", ValueError),
+        (dict(memory="lots", host_memory=2, transfer_cost=1.0), "cannot read memory='lots'", ValueError),
         (dict(memory=2, host_memory="1B", transfer_cost=1.0), "host_memory=1 bytes holds no carry", ValueError),
     ],
 )  # fmt: skip

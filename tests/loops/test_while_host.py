@@ -276,6 +276,9 @@ def test_host_stores_and_loads_are_placed_on_the_host(monkeypatch, host):
         (dict(memory=None, max_steps=9, host_memory=4), ValueError, "needs a device budget"),
         (dict(memory=2, host_memory=2.5), TypeError, "host_memory must be None, an int"),
         (dict(memory=2, host_memory="1B"), ValueError, "host_memory=1 bytes holds no carry"),
+        (dict(memory=2, host_memory="abc"), ValueError, "cannot read host_memory='abc'"),
+        (dict(memory=2, host_memory="0B"), ValueError, "host_memory='0B' is 0 bytes"),
+        (dict(memory="abc", host_memory=2), ValueError, "cannot read memory='abc'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_clear_error(kw, error, match):

@@ -855,6 +855,57 @@ def test_buffer_written_twice_a_step_and_over_the_step_before(memory):
             np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("memory", [1, 3])
+def test_buffer_writes_out_of_bounds_are_dropped_as_in_the_unrolled_loop(memory):
+    # JAX drops a write whose index is out of bounds (past the end, or before the start
+    # once a negative index has wrapped), so the value written takes no cotangent and
+    # the location keeps its own. Rows run past the end, from before the start, through
+    # negative indices into and out of bounds, and backwards off the front; each in-bounds
+    # row is written once. A second buffer takes a conditional write of two rows at once:
+    # the same row, and one always out of bounds (negative).
+    n, rows = 6, 4
+    indices = {
+        "past the end": lambda i: i + 1,
+        "from before the start": lambda i: i - 7,
+        "negative, then out of bounds": lambda i: -1 - i,
+        "backwards off the front": lambda i: 2 - 3 * i,
+    }
+
+    def make_body(index):
+        def body(s):
+            i, h, buf, pair = s
+            h = jnp.tanh(w @ h + b)
+            buf = buf.at[index(i)].set(h)
+            pair = put(pair, jnp.stack([index(i), -100 - index(i)]), h * 0.5, i % 2 == 0)
+            return i + 1, h, buf, pair
+
+        return body
+
+    def loss(w, b, h0, buf0, step, loop):
+        _, h, buf, pair = loop(step, (0, h0, buf0, 2.0 * buf0))
+        weights = jnp.arange(1.0, 1.0 + buf.size).reshape(buf.shape)
+        return jnp.sum(jnp.sin(buf) * weights) + jnp.sum(pair**2) + jnp.sum(h**2)
+
+    def ours(step, init):
+        return memento.while_loop(
+            lambda s: s[0] < n, step, init, memory=memory, buffers=lambda s: (s[2], s[3])
+        )
+
+    def unrolled(step, init):
+        while init[0] < n:
+            init = step(init)
+        return init
+
+    w, b, h0 = params(4)
+    buf0 = jnp.asarray(np.random.default_rng(4).normal(size=(rows, H)))
+    for name, index in indices.items():
+        args = (w, b, h0, buf0, make_body(index))
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=(4, 5))(*args, ours)
+        want = jax.grad(loss, argnums=(0, 1, 2, 3))(*args, unrolled)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 def test_buffer_cotangents_under_hessian_vmap_and_a_zero_size_buffer():
     # The deferred clears and the reversed reads of `_buffer_cts` under forward-over-
     # reverse (jacfwd of grad) and vmap, with a buffer of zero-size rows beside one

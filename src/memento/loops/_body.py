@@ -52,12 +52,16 @@ class ResidualSpec:
     """Where each leaf of a step's pullback comes from.
 
     ``source[i]`` is ``("const", j)`` or ``("x", j)`` for leaves that are the j-th const or
-    x leaf of the step, else ``("stored", j)``: the j-th stored residual.
+    x leaf of the step, ``("captured", j)`` for ``captured[j]``, a concrete array the step
+    holds itself (a value a nested ``custom_vjp`` or ``jax.checkpoint`` closed over when
+    the body was traced: the same object in every step), else ``("stored", j)``: the
+    j-th stored residual.
     """
 
     treedef: Any
     source: tuple[tuple[str, int], ...]
     stored: tuple[jax.ShapeDtypeStruct, ...]
+    captured: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,16 +217,13 @@ class Body:
             _, _, pullback = self.linearize(consts, carry, x)
             leaves, treedef = jax.tree_util.tree_flatten(pullback)
             found["treedef"] = treedef
-            found["source"] = self._sources(leaves, consts, x)
+            found["source"], found["captured"] = _sources(leaves, consts, x)
             return [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
 
         _, stored = jax.make_jaxpr(probe, return_shape=True)(
             _avals(self.consts), self.carry_avals, self.x_avals
         )
-        return ResidualSpec(found["treedef"], found["source"], tuple(stored))
-
-    def _sources(self, leaves, consts, x):
-        return _sources(leaves, consts, x)
+        return ResidualSpec(found["treedef"], found["source"], tuple(stored), found["captured"])
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``.
@@ -236,7 +237,7 @@ class Body:
             return jax.jit(functools.partial(self.save, spec))(consts, carry, x)
         c, y, pullback = self.linearize(consts, carry, x)
         leaves = jax.tree_util.tree_leaves(pullback)
-        if self._sources(leaves, consts, x) != spec.source:
+        if not _agrees(leaves, spec, consts, x):
             raise RuntimeError(  # the probe and this call saw different input types
                 "memento: internal error: a step's residuals differ from those probed (input "
                 f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
@@ -246,6 +247,7 @@ class Body:
     def restore(self, spec: ResidualSpec, stored, consts, x) -> Callable:
         """Rebuilds the pullback of a step from its stored residuals."""
         pools = {"const": list(consts), "x": list(x), "stored": list(stored)}
+        pools["captured"] = list(spec.captured)
         leaves = [pools[kind][j] for kind, j in spec.source]
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
@@ -491,15 +493,42 @@ def instantiate(cts, avals, mask, leading=None) -> Leaves:
     return out
 
 
-def _sources(leaves, kf, xf) -> tuple[tuple[str, int], ...]:
-    out, n_stored = [], 0
+def _sources(leaves, kf, xf) -> tuple[tuple[tuple[str, int], ...], tuple]:
+    """The probe's `ResidualSpec.source` and ``captured`` for pullback ``leaves``, whose
+    step took the tracers ``kf`` (consts) and ``xf`` (x)."""
+    out, captured, n_stored = [], [], 0
     for leaf in leaves:
         src = next((("const", j) for j, k in enumerate(kf) if leaf is k), None)
         src = src or next((("x", j) for j, v in enumerate(xf) if leaf is v), None)
+        if src is None and not isinstance(leaf, jax_core.Tracer):
+            src = ("captured", len(captured))
+            captured.append(leaf)
         if src is None:
             src, n_stored = ("stored", n_stored), n_stored + 1
         out.append(src)
-    return tuple(out)
+    return tuple(out), tuple(captured)
+
+
+def _agrees(leaves, spec: ResidualSpec, consts, x) -> bool:
+    """Whether `Body.restore` rebuilds a step's pullback ``leaves`` from what ``spec``
+    keeps: each const, x or captured leaf is the very value it names, and each stored one
+    has the probed shape and dtype.
+
+    A stored leaf may be anything of its type: a step whose consts are concrete arrays
+    may return one of them where the probe, which traced the consts, saw a captured
+    array or a value it computed; storing it is exact.
+    """
+    if len(leaves) != len(spec.source):
+        return False
+    pools = {"const": list(consts), "x": list(x), "captured": list(spec.captured)}
+    for leaf, (kind, j) in zip(leaves, spec.source):
+        if kind == "stored":
+            t, want = jax.typeof(leaf), spec.stored[j]
+            if (t.shape, t.dtype) != (want.shape, want.dtype):
+                return False
+        elif leaf is not pools[kind][j]:
+            return False
+    return True
 
 
 def _aval(x):

@@ -302,7 +302,7 @@ class CarrySlots:
         """The pools with slot ``j`` holding what slot ``order[j]`` held (a gather, once)."""
         out = []
         for b, h in zip(stacks, self.pools(0).hidden_size):
-            entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)).reshape(-1)
+            entries = (order[:, None] * h + jnp.arange(h, dtype=order.dtype)[None, :]).reshape(-1)
             out.append(jnp.take(b, entries, axis=0, mode="clip"))
         return out
 

@@ -384,7 +384,7 @@ def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
         ValueError: a negative number of slots, an unreadable size string.
     """
     if isinstance(host_memory, str | Bytes):
-        budget = parse_memory(host_memory, name=name)
+        budget = parse_memory(host_memory, name=name, arg="host_memory")
         if isinstance(budget, Percent):
             raise ValueError(
                 f"{name}: host_memory={host_memory!r} is a percentage; host_memory takes "

@@ -127,8 +127,10 @@ def while_loop(
             location may be written at most once, in the loop or before it (unchecked, as
             in Equinox: a second write gives wrong gradients). They are not checkpointed:
             the carries kept in ``memory`` exclude them, and the backward pass hands each
-            written value its cotangent from the buffer's. Indices are integer arrays. A
-            write may be conditional, ``buf.at[i].set(x, pred=p)`` with a bool scalar
+            written value its cotangent from the buffer's. Indices are integer arrays;
+            out of bounds, a write is dropped, as by ``.at[i].set``, and its value
+            gets no cotangent, as in the unrolled loop. A write may be conditional,
+            ``buf.at[i].set(x, pred=p)`` with a bool scalar
             ``p`` (as Equinox's): nothing is written, and no cotangent taken, where ``p``
             is False, so a location may be written under false predicates any number of
             times, and once under a true one. ``buf.at[i].get()`` reads the value the
@@ -1111,7 +1113,10 @@ def _buffer_cts(body: Body, buf_float, write_spec, e, ys, aux):
             cts[w] = ct_b[f] if body.y_mask[k] else None
             continue
         index = tuple(ys[k : k + n_idx])
-        ct = ct_b[f][index]
+        # As the forward's ``.at[index].set`` drops a write out of bounds (past the end,
+        # or before the start after negative indices wrap once), its value takes no
+        # cotangent: read zero there, not the nearest location's.
+        ct = ct_b[f].at[index].get(mode="fill", fill_value=0)
         pred = ys[k + n_idx + 1] if conditional else jnp.bool_(True)
         if body.y_mask[k + n_idx]:  # the value written is differentiated
             cts[w] = jnp.where(pred, ct, jnp.zeros_like(ct)) if conditional else ct

@@ -146,8 +146,9 @@ def _parse_percent(text: str, *, name: str) -> Percent:
     return Percent(percent)
 
 
-def parse_memory(memory, *, name: str) -> int | Bytes | Percent:
-    """``memory=`` as given by the user: an int of slots, `Bytes`, or `Percent`.
+def parse_memory(memory, *, name: str, arg: str = "memory") -> int | Bytes | Percent:
+    """``memory=`` as given by the user: an int of slots, `Bytes`, or `Percent`. ``arg``
+    is the argument's name in messages (``"host_memory"`` for a host level's size).
 
     Accepted forms:
 
@@ -177,14 +178,18 @@ def parse_memory(memory, *, name: str) -> int | Bytes | Percent:
         num_bytes = parse_size(memory)
         if num_bytes is None:
             raise ValueError(
-                f"{name}: cannot read memory={memory!r}; pass a size such as '256MiB', "
+                f"{name}: cannot read {arg}={memory!r}; pass a size such as '256MiB', "
                 "'1.5GB' or '4096B', a percentage such as '5%' of storing every step, an "
                 "int number of slots, or memento.bytes_budget(n)."
             )
         if num_bytes < 1:
+            fix = (
+                "the smallest budget is one carry (memory=1 slot)"
+                if arg == "memory"
+                else f"pass a size that holds a carry, or an int number of slots ({arg}=0: none)"
+            )
             raise ValueError(
-                f"{name}: memory={memory!r} is {num_bytes} bytes, which holds nothing; "
-                "the smallest budget is one carry (memory=1 slot)."
+                f"{name}: {arg}={memory!r} is {num_bytes} bytes, which holds nothing; {fix}."
             )
         return bytes_budget(num_bytes)
     n = as_int(memory)
