@@ -27,7 +27,6 @@ from . import _recursion, _static
 from ._body import (
     Body,
     Static,
-    step_profile,
     call_reverse_mode_only,
     guard_backward,
     instantiate,
@@ -36,6 +35,7 @@ from ._body import (
     nbytes,
     refuse_reverse_over_reverse,
     split,
+    step_profile,
 )
 from ._budget import (
     Bytes,

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from ..planning.internals import check_argnums
+
 Mode = Literal["fwdrev", "revfwd", "revrev"]
 MODES = ("fwdrev", "revfwd", "revrev")
 
@@ -41,21 +43,6 @@ def check_mode(mode: Any, where: str) -> None:
 
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _normalise_argnums(argnums: Any) -> tuple[tuple[int, ...], bool]:
-    """Returns (argnums as a tuple, whether the user passed a single int)."""
-    if isinstance(argnums, int) and not isinstance(argnums, bool):
-        return (argnums,), True
-    if (
-        isinstance(argnums, Sequence)
-        and argnums
-        and all(isinstance(a, int) and not isinstance(a, bool) for a in argnums)
-    ):
-        return tuple(argnums), False
-    raise TypeError(
-        f"memento.fwdrev_grad: argnums must be an int or a non-empty tuple of ints, got {argnums!r}."
-    )
 
 
 def fwdrev_grad(
@@ -125,7 +112,7 @@ def fwdrev_grad(
     if not callable(loss_fn):
         raise TypeError(f"memento.fwdrev_grad: loss_fn must be callable, got {loss_fn!r}.")
     check_mode(mode, "memento.fwdrev_grad")
-    nums, single = _normalise_argnums(argnums)
+    nums, single = check_argnums("memento.fwdrev_grad", argnums)
     if mode == "revrev":
         return jax.grad(loss_fn, argnums, has_aux=has_aux)
 

@@ -105,9 +105,7 @@ def _segment_evaluations(levels: tuple[int, ...]) -> int:
     if len(levels) == 1:
         return levels[0]
     # The last sub-segment's start is the carry the walk ends on: K - 1 run forward.
-    return (levels[0] - 1) * math.prod(levels[1:]) + levels[0] * _segment_evaluations(
-        levels[1:]
-    )
+    return (levels[0] - 1) * math.prod(levels[1:]) + levels[0] * _segment_evaluations(levels[1:])
 
 
 def _piece_stored(levels: tuple[int, ...], c: int, r: int) -> int:

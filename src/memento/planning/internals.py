@@ -19,6 +19,7 @@ Not user API: names here may change between versions. NumPy only, like the rest 
   `LoopCosts`, `loop_costs`, `loop_seconds`, `step_seconds`.
 """
 
+from ._args import check_argnums as check_argnums
 from ._auto import (
     INTERNAL_STATE_CHARGE as INTERNAL_STATE_CHARGE,
     auto_policy as auto_policy,

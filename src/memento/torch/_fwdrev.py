@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..planning.internals import check_argnums
 from . import _tree
 from ._probe import _functorch, is_float, tensors
 
@@ -248,7 +249,7 @@ def fwdrev_grad(
         raise TypeError(f"{_NAME}: loss_fn must be callable, got {type(loss_fn).__name__}")
     if mode not in _MODES:
         raise ValueError(f"{_NAME}: mode must be one of {_MODES}, got {mode!r}")
-    nums, single = _argnums(argnums)
+    nums, single = check_argnums(_NAME, argnums)
     if mode == "revrev":
         return torch.func.grad(loss_fn, nums[0] if single else nums, has_aux=has_aux)
 
@@ -271,18 +272,3 @@ def fwdrev_grad(
         return call.result(list(out), aux, single)
 
     return grad_fn
-
-
-def _argnums(argnums: Any) -> tuple[tuple[int, ...], bool]:
-    """(argnums as a tuple, whether a single int was passed)."""
-    if isinstance(argnums, int) and not isinstance(argnums, bool):
-        return (argnums,), True
-    if (
-        isinstance(argnums, Sequence)
-        and argnums
-        and all(isinstance(a, int) and not isinstance(a, bool) for a in argnums)
-    ):
-        return tuple(argnums), False
-    raise TypeError(
-        f"{_NAME}: argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
-    )

@@ -175,7 +175,9 @@ class _Probe(NamedTuple):
     rng_before: Any
 
 
-def _probe(loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str):
+def _probe(
+    loop: _Loop, h_leaves, h_tree, budget: int | Bytes | Percent, policy: Policy, *, name: str
+):
     """Step 0 with grad: the tensors it uses from outside, whether it modifies its carry,
     draws random numbers or modifies buffers, alpha, and the schedule.
 
