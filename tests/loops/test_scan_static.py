@@ -113,8 +113,11 @@ def _temp(f, *args):
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("width,num_steps", [(1, 1), (4, 1000), (64, 10**4), (4, 10**6)])
-@pytest.mark.parametrize("share", [1.0, 0.05])
+@pytest.mark.parametrize(
+    "width,num_steps,share",
+    [(1, 1, 1.0), (4, 1000, 1.0), (4, 1000, 0.05), (64, 10**4, 0.3), (64, 10**4, 0.05),
+     (4, 10**6, 0.05)],
+)  # fmt: skip
 def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share):
     # The budget is a share of what lax.scan's gradient takes; the compiled gradient of
     # memento.scan must take at most the budget, give or take 5% and 4 KiB (XLA's
@@ -231,14 +234,16 @@ def test_zero_size_leaves_nan_and_negative_zero_cotangents(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=0, atol=0)
 
 
-def test_the_program_does_not_grow_with_the_number_of_steps():
+def test_the_program_is_bounded_whatever_the_number_of_steps():
+    # A static plan has at most four levels and a few pieces, each traced once: the
+    # program's size is bounded by a constant, not proportional to the number of steps.
     w, h0, _ = _params(1)
     sizes = []
-    for num_steps in (10**3, 10**5):
-        xs = jnp.ones((num_steps, 3))
-        f = jax.jit(jax.grad(functools.partial(_cell_loss, xs=xs, h0=h0, memory=400)))
-        sizes.append(len(f.lower(w).as_text()))
-    assert sizes[1] <= sizes[0] * 1.02
+    for num_steps in (10**3, 10**4, 10**5, 10**6):
+        xs = jax.ShapeDtypeStruct((num_steps, 3), jnp.float64)
+        f = jax.jit(jax.grad(functools.partial(_cell_loss, h0=h0, memory=400)))
+        sizes.append(len(f.lower(w, xs).as_text()))
+    assert max(sizes) <= 3 * min(sizes), sizes
 
 
 def test_scan_schedule_returns_the_static_plan_as_rows():

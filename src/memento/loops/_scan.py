@@ -553,9 +553,10 @@ def _plan(
         schedule = choose_schedule(num_steps, m, alpha, policy, name=name, charges=charges)
         prog = _compile(schedule)
         used = pool_bytes(prog, body, spec)
-        if isinstance(budget, Bytes):  # the rows are device memory too
-            used += prog.runtime_bytes
         allowed = (slots - int(schedule.counts_initial)) * carry_bytes
+        if isinstance(budget, Bytes):  # the program's bytes: the rows count too
+            used += prog.runtime_bytes
+            allowed = budget.num_bytes - sizes.fixed
         if used <= allowed or m == 1:
             if static is not None and _faster_static(body, static, schedule.cost, prog):
                 return spec, None, static, slots
@@ -579,6 +580,7 @@ class _Sizes:
     stream: int
     fixed: int
     level: int
+    whole: int
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
@@ -596,7 +598,7 @@ def _static_sizes(body: Body, spec) -> _Sizes:
     working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + 2 * _CONTROL_BYTES
-    return _Sizes(carry, residual, stream, working + consts, level)
+    return _Sizes(carry, residual, stream, working + consts, level, xs)
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
@@ -609,6 +611,7 @@ def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
             "residual_bytes": sizes.residual,
             "stream_bytes": sizes.stream,
             "level_bytes": sizes.level,
+            "whole_bytes": sizes.whole,
         }
     return (slots - 1) * sizes.carry, {
         "carry_bytes": sizes.carry,

@@ -45,6 +45,8 @@ class StaticPlan:
             cotangent of its ``xs``.
         level_bytes: what each level of a nest beyond the second takes besides its stored
             starts (the executor's loop state for it).
+        whole_bytes: what a step of a piece stored whole keeps besides its internal state
+            (its slice of ``xs``, which its pullback holds).
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -52,6 +54,7 @@ class StaticPlan:
     residual_bytes: int
     stream_bytes: int = 0
     level_bytes: int = 0
+    whole_bytes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -66,19 +69,18 @@ class StaticPlan:
     def peak_bytes(self) -> int:
         """Most bytes of stored carries and internal states live at once."""
         c, r = self.carry_bytes, self.residual_bytes
-        # A piece's backward runs with every earlier piece's stored states held; the
-        # internal states of pieces stored whole count as held throughout (XLA's buffer
-        # assignment was seen to keep them until the end of the backward pass).
-        whole = sum(_piece_stored(p, c, r) for p in self.pieces if len(p) == 1)
-        held, peak = whole, 0
+        # A nest's backward runs with every earlier nest's stored starts held; the internal
+        # states of pieces stored whole count as held throughout (XLA's buffer assignment
+        # was seen to keep them until the end of the backward pass).
+        held = sum(p[0] * (r + self.whole_bytes) for p in self.pieces if len(p) == 1)
+        peak = held
         for p in self.pieces:
-            # A segment run again streams its slices; a piece stored whole reads them in
-            # its backward, which XLA fuses.
-            stream = p[-1] * self.stream_bytes if len(p) > 1 else 0
-            extra = stream + max(0, len(p) - 2) * self.level_bytes
-            own = _piece_peak(p, c, r) - (_piece_stored(p, c, r) if len(p) == 1 else 0)
-            peak = max(peak, held + own + extra)
-            held += _piece_stored(p, c, r) if len(p) > 1 else 0
+            if len(p) == 1:
+                continue
+            # A segment run again streams its slices of xs and of the cotangents.
+            extra = p[-1] * self.stream_bytes + max(0, len(p) - 2) * self.level_bytes
+            peak = max(peak, held + _piece_peak(p, c, r) + extra)
+            held += _piece_stored(p, c, r)
         return peak
 
     @property
@@ -217,6 +219,7 @@ def plan_static(
     residual_bytes: int,
     stream_bytes: int = 0,
     level_bytes: int = 0,
+    whole_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
 ) -> StaticPlan | None:
@@ -230,7 +233,7 @@ def plan_static(
     nest's backward pass begins, so they cost only beside the nest's outer starts).
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
-    sizes = (c, r, s, int(level_bytes))
+    sizes = (c, r, s, int(level_bytes), int(whole_bytes))
     best: StaticPlan | None = None
 
     def key(p: StaticPlan):
@@ -259,7 +262,7 @@ def _with_suffix(num_steps: int, inner: tuple[int, ...], budget: float, sizes):
     def plan(k: int) -> StaticPlan:
         head = [_drop_ones((k, *inner))] if k else []
         tail = [(num_steps - k * unit,)] if num_steps > k * unit else []
-        return StaticPlan(tuple(head + tail), *sizes)
+        return StaticPlan(tuple(_fuse_last(head + tail)), *sizes)
 
     lo, hi = 0, num_steps // unit
     if plan(hi).peak_bytes > budget:
@@ -276,7 +279,8 @@ def _with_suffix(num_steps: int, inner: tuple[int, ...], budget: float, sizes):
 def nest_schedule(plan: StaticPlan) -> Schedule:
     """``plan`` as schedule rows, to replay with `Schedule.simulate`.
 
-    The rows are what the static executor runs: each nest piece stores its start and the
+    The rows are what the static executor runs (``h_0`` is the caller's, not counted):
+    each nest piece stores its start and the
     starts of its outer segments 2..K; a segment's backward stores the starts of its
     sub-segments 2..K and takes the first's from its parent. Slots are counted as the
     schedule model counts them: a carry takes one, an internal state
@@ -371,6 +375,6 @@ def nest_schedule(plan: StaticPlan) -> Schedule:
         actions=np.asarray(rows, dtype=np.int64).reshape(-1, 3),
         alpha=alpha,
         beta=alpha,
-        counts_initial=True,
+        counts_initial=False,  # h_0 is the caller's: the executor never stores it
     )
     return dataclasses.replace(schedule, memory=schedule.simulate().peak_memory)
