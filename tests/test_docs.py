@@ -128,28 +128,16 @@ def _quantity(text: str) -> tuple[str, float]:
     return number, _UNITS[unit]
 
 
-def test_readme_headline_table_is_results_rnn_json():
-    # "What it costs": the T=4096 LSTM of benchmarks/rnn.py, each row one method.
-    size = next(s for s in json.loads((ROOT / "benchmarks/results/rnn.json").read_text())[
-        "sizes"] if s["num_steps"] == 4096)  # fmt: skip
-    methods = {m["name"]: m for m in size["methods"]}
-    names = {
-        "`lax.scan` (keeps every step)": "lax.scan",
-        "`lax.scan(jax.checkpoint(step))`": "checkpoint/step",
-        "nested sqrt(T) `lax.scan`s": "nested sqrt(T) (64x64)",
-        "Equinox checkpointed `while_loop`, 5%": "equinox 5% (C=205)",
-        '`memento.scan`, `memory="25%"`': "memento 25% (m=1024)",
-        '`memento.scan`, `memory="5%"`': "memento 5% (m=205)",
-        '`memento.scan`, `memory="1%"`': "memento 1% (m=41)",
-    }
-    table = _table("## What it costs")
-    assert table[0][0] == "method" and len(table) == len(names) + 1
-    for name, memory, time, evaluations in table[1:]:
-        row = methods[names[name]]
-        number, scale = _quantity(memory)
-        assert _shown(number, row["temp_bytes"] / 1024, scale), (name, memory)
-        assert _shown(time.removesuffix("x"), row["time_vs_lax"]), (name, time)
-        assert _shown(evaluations, row["evaluations_per_step"]), (name, evaluations)
+def test_readme_headline_table_is_results_pareto_json():
+    # "What it costs": benchmarks/pareto.py's headline table, rendered from its results.
+    import pareto
+
+    data = json.loads((ROOT / "benchmarks/results/pareto.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in pareto.headline(data["results"]) if line.startswith("| ")]
+    assert len(rows) >= 3
+    for line in rows:
+        assert line in readme, line
 
 
 def test_jax_guide_long_loop_table_is_results_long_json():
