@@ -288,7 +288,7 @@ def chain(
         The last layer's output.
 
     Raises:
-        As `checkpoint_sequential`.
+        ValueError, TypeError: as `checkpoint_sequential`.
 
     Example:
         >>> y = memento.torch.chain(list(model.children()), images, memory=4)  # doctest: +SKIP
