@@ -55,6 +55,7 @@ from ._interpreter import (
     run_sweep,
     unroll_factor,
 )
+from ._pool import varying
 
 _NAME = "memento.scan"
 _MAX_STEPS = 2**31 - 2  # positions and the sweep's step counter are int32
@@ -521,7 +522,13 @@ def _plan(
     budget = slots if budget is None else budget
     sizes = _static_sizes(body, spec)
     static = None
-    if executor in ("static", "auto") and policy == "auto":
+    mapped = _under_shard_map(body)
+    if executor == "static" and mapped:
+        raise NotImplementedError(
+            f"{name}: executor='static' does not run inside shard_map (a value varies "
+            "over mesh axes: {mapped}); use executor='auto', 'rows' or 'recursion'."
+        )
+    if executor in ("static", "auto") and policy == "auto" and not mapped:
         room, kinds = _static_budget(budget, slots, sizes)
         if isinstance(budget, Bytes) and budget.num_bytes >= num_steps * sizes.residual:
             room = math.inf  # room for lax.scan's own memory: store every step
@@ -584,6 +591,12 @@ class _Sizes:
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
+
+
+def _under_shard_map(body: Body) -> tuple:
+    """The mesh axes any of the loop's values varies over (inside ``shard_map``)."""
+    avals = [*body.carry_avals, *body.x_avals, *(jax.typeof(k) for k in body.consts)]
+    return tuple(sorted({axis for a in avals for axis in varying(a)}))
 
 
 def _static_sizes(body: Body, spec) -> _Sizes:
