@@ -34,7 +34,7 @@ def test_scan_gradient_and_budget_under_a_percentage(percent):
     np.testing.assert_allclose(got, REF, rtol=1e-12, atol=1e-12)
     s = memento.loops.scan_schedule(cell, C0, XS, memory=percent, wrt=("init",))
     # alpha as measured (an HSM schedule reports 1): from the store-everything plan
-    full = memento.loops.scan_schedule(cell, C0, XS, memory="100%", wrt=("init",))
+    full = memento.loops.scan_schedule(cell, C0, XS, memory="100%", wrt=("init",), policy="ism")
     share = int(float(percent[:-1]) * T * full.alpha // 100)
     if s.policy == "static":  # planned in bytes: its rows replay its evaluations
         assert s.simulate().forward_evaluations == s.cost
