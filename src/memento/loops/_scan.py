@@ -594,7 +594,11 @@ _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
 
 
 def _under_shard_map(body: Body) -> tuple:
-    """The mesh axes any of the loop's values varies over (inside ``shard_map``)."""
+    """Why the static executor cannot run this loop: the mesh axes any of its values
+    varies over (inside ``shard_map``), or JAX's experimental ``jax_scan3`` scan, whose
+    VJP cannot yet run inside a custom VJP's forward rule."""
+    if getattr(jax.config, "jax_scan3", False):
+        return ("jax_scan3",)
     avals = [*body.carry_avals, *body.x_avals, *(jax.typeof(k) for k in body.consts)]
     return tuple(sorted({axis for a in avals for axis in varying(a)}))
 
