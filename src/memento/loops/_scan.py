@@ -522,7 +522,7 @@ def _plan(
     budget = slots if budget is None else budget
     sizes = _static_sizes(body, spec)
     static = None
-    mapped = _under_shard_map(body)
+    mapped = _static_unavailable(body)
     if executor == "static" and mapped:
         raise NotImplementedError(
             f"{name}: executor='static' does not run inside shard_map (a value varies "
@@ -593,7 +593,7 @@ class _Sizes:
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
 
 
-def _under_shard_map(body: Body) -> tuple:
+def _static_unavailable(body: Body) -> tuple:
     """Why the static executor cannot run this loop: the mesh axes any of its values
     varies over (inside ``shard_map``), or JAX's experimental ``jax_scan3`` scan, whose
     VJP cannot yet run inside a custom VJP's forward rule."""
