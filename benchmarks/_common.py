@@ -127,7 +127,11 @@ def first_call(f: Callable, *args) -> tuple[Any, dict[str, float]]:
 
 
 def time_round_robin(
-    calls: Mapping[str, Callable[[], Any]], *, repeats: int = 5, log: Callable | None = None
+    calls: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int = 5,
+    min_round_s: float = 0.0,
+    log: Callable | None = None,
 ) -> dict[str, list[float]]:
     """Times every call ``repeats`` times, interleaved, so that load drifts hit all alike.
 
@@ -135,19 +139,27 @@ def time_round_robin(
         calls: name -> zero-argument function (already compiled and warmed up).
         repeats: rounds; each round runs every call once, in a rotated order so that no
             method always follows the same neighbour.
+        min_round_s: a call faster than this runs back to back, as many times as one
+            untimed call says fill this many seconds, and each round records their mean:
+            a millisecond call timed once is mostly scheduler noise.
         log: called with a short progress string after each round, if given.
 
     Returns:
-        name -> the list of seconds, one per round.
+        name -> the list of seconds per call, one per round.
     """
     if repeats < 1:
         raise ValueError(f"time_round_robin: repeats must be >= 1, got {repeats}.")
     names = list(calls)
+    inner = {n: 1 for n in names}
+    if min_round_s > 0:
+        for n in names:
+            once = time_once(calls[n])
+            inner[n] = max(1, min(1000, int(min_round_s / max(once, 1e-6))))
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         shift = r % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
-            times[name].append(time_once(calls[name]))
+            times[name].append(sum(time_once(calls[name]) for _ in range(inner[name])) / inner[name])
         if log is not None:
             log(f"round {r + 1}/{repeats} done")
     return times

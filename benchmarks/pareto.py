@@ -23,7 +23,8 @@ process, on CPU:
   message.
 - Memory: ``memory_analysis().temp_size_in_bytes`` of the compiled gradient (exact and
   deterministic). Time: every method compiled and run once first, then the median of
-  round-robin rounds (each method once per round), ``jax.block_until_ready`` after each.
+  round-robin rounds (each method once per round, or back to back for ``--min-round-s``
+  when faster), ``jax.block_until_ready`` after each.
   A method whose temp bytes are past ``--max-run-bytes`` is compiled but not run.
 - ``--first-call``: the first call (trace, plan, compile, run) at T = 10^6 of
   ``lax.scan``, nested sqrt(T), and memento at nested sqrt(T)'s bytes, each with a new
@@ -50,6 +51,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -381,7 +383,11 @@ def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict
     reference, errors = check_gradients(f"{body.name} T={num_steps}", peers, methods)
 
     calls = {n: m.call for n, m in methods.items() if m.call is not None}
-    times = _common.time_round_robin(calls, repeats=args_.rounds) if calls else {}
+    times = (
+        _common.time_round_robin(calls, repeats=args_.rounds, min_round_s=args_.min_round_s)
+        if calls
+        else {}
+    )
     seconds = {n: _common.median(v) for n, v in times.items()}
     for entry in budgets:
         for record in entry["memento"].values():
@@ -702,6 +708,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
     parser.add_argument(
+        "--min-round-s",
+        type=float,
+        default=0.05,
+        help="a faster call runs back to back for this long per round (its mean recorded)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke preset: T=1000, tanh4 and lstm32, 3 rounds"
     )
     parser.add_argument(
@@ -755,6 +767,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         _common.use_one_thread()
     support = executor_support()
     _log(f"executors: {support}")
+    load_before = os.getloadavg()
     results = []
     for num_steps in [int(float(s)) for s in args.steps.split(",")]:
         for name in args.bodies.split(","):
@@ -777,12 +790,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "steps": args.steps,
             "bodies": args.bodies,
             "rounds": args.rounds,
+            "min_round_s": args.min_round_s,
             "executors": args.executors,
             "max_run_bytes": args.max_run_bytes,
             "threads": args.threads,
             "bytes_slack": list(BYTES_SLACK),
             "gradient_rtol": RTOL,
         },
+        # The machine's 1-minute load average when the run began and ended: time ratios
+        # of millisecond calls are steady only on a quiet machine.
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "executors": {e: ("supported" if ok else "unsupported") for e, ok in support.items()},
         "summary": summary(results),
         "results": results,

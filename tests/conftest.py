@@ -49,6 +49,27 @@ def _checks_where_the_executors_are_tested(request, monkeypatch):
     yield
 
 
+def pytest_collection_finish(session):
+    """No test module may turn on float64 for the whole process at import: the tests
+    that check float32 defaults would then depend on which modules a worker collected."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.config.jax_enable_x64 and "JAX_ENABLE_X64" not in os.environ:
+        raise pytest.UsageError(
+            "a test module enabled jax_enable_x64 at import; use the x64 fixture or "
+            "`with jax.enable_x64(True)` in the test instead"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _x64_flag_restored(request):
+    jax = sys.modules.get("jax")
+    before = jax is not None and jax.config.jax_enable_x64
+    yield
+    jax = sys.modules.get("jax")
+    after = jax is not None and jax.config.jax_enable_x64
+    assert after == before, f"{request.node.nodeid} left jax_enable_x64 changed"
+
+
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
     yield

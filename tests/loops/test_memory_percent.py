@@ -9,11 +9,17 @@ from jax import lax
 
 import memento
 
-jax.config.update("jax_enable_x64", True)
-
 T, H = 200, 8
-XS = jnp.linspace(0.1, 1.0, T)[:, None] * jnp.ones((T, H))
-C0 = jnp.linspace(-1.0, 1.0, H)
+# NumPy float64 at import: jax.numpy arrays made here would follow the process-wide
+# x64 flag, and a module must not change that flag for the other tests.
+XS = np.linspace(0.1, 1.0, T)[:, None] * np.ones((T, H))
+C0 = np.linspace(-1.0, 1.0, H)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    with jax.enable_x64(True):
+        yield
 
 
 def cell(c, x):
@@ -25,13 +31,15 @@ def loss(c0, scan, **kw):
     return jnp.sum(carry) + jnp.sum(ys)
 
 
-REF = jax.grad(loss)(C0, lax.scan)
+def reference():
+    return jax.grad(loss)(C0, lax.scan)
 
 
 @pytest.mark.parametrize("percent", ["1%", "5%", "37.5%", "100%"])
 def test_scan_gradient_and_budget_under_a_percentage(percent):
+    assert jnp.asarray(C0).dtype == jnp.float64
     got = jax.grad(loss)(C0, memento.scan, memory=percent)
-    np.testing.assert_allclose(got, REF, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, reference(), rtol=1e-12, atol=1e-12)
     s = memento.loops.scan_schedule(cell, C0, XS, memory=percent, wrt=("init",))
     # alpha as measured (an HSM schedule reports 1): from the store-everything plan
     full = memento.loops.scan_schedule(cell, C0, XS, memory="100%", wrt=("init",), policy="ism")
