@@ -159,7 +159,9 @@ def time_round_robin(
     for r in range(repeats):
         shift = r % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
-            times[name].append(sum(time_once(calls[name]) for _ in range(inner[name])) / inner[name])
+            times[name].append(
+                sum(time_once(calls[name]) for _ in range(inner[name])) / inner[name]
+            )
         if log is not None:
             log(f"round {r + 1}/{repeats} done")
     return times

@@ -49,6 +49,50 @@ def _checks_where_the_executors_are_tested(request, monkeypatch):
     yield
 
 
+# The extended tier: tests listed in slow.txt (node ids, or a prefix such as a file) are
+# marked `slow`. A plain `python -m pytest` leaves them out, so that it stays under 15
+# minutes on two cores; `python -m pytest -m slow` runs only them, and CI runs both. Tests
+# named on the command line (a file, a node id) run whatever their tier.
+_SLOW = [
+    line.split("#", 1)[0].strip()
+    for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
+    if line.split("#", 1)[0].strip()
+]
+
+
+def _listed(rel: str, entry: str) -> bool:
+    return (
+        rel == entry
+        or rel.startswith((entry + "::", entry + "["))
+        or (entry.endswith((".py", "/")) and rel.startswith(entry))
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    listed, files = set(), set()
+    for item in items:
+        rel = (
+            Path(str(item.path)).relative_to(_ROOT).as_posix()
+            + item.nodeid[len(item.nodeid.split("::")[0]) :]
+        )
+        files.add(rel.split("::")[0])
+        hits = [entry for entry in _SLOW if _listed(rel, entry)]
+        if hits:
+            item.add_marker(pytest.mark.slow)
+            listed.update(hits)
+    # An entry naming a collected file but no test in it is a renamed test, which would
+    # otherwise slip silently into the default tier.
+    stale = [e for e in _SLOW if e not in listed and e.split("::")[0] in files]
+    if stale:
+        raise pytest.UsageError(f"tests/slow.txt names tests that do not exist: {stale}")
+    if not config.option.file_or_dir and not config.option.markexpr:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 def pytest_collection_finish(session):
     """No test module may turn on float64 for the whole process at import: the tests
     that check float32 defaults would then depend on which modules a worker collected."""
