@@ -38,6 +38,21 @@ def is_float(x) -> bool:
     return jax.dtypes.issubdtype(dtype, np.inexact)
 
 
+def platform(*trees) -> str:
+    """The platform a loop over ``trees`` runs on, for the planner's time model: that of
+    the first committed concrete array among them, else the default device's
+    (``jax.default_device``), else JAX's default backend. Under ``jit`` the inputs are
+    tracers, and the default device decides."""
+    for leaf in jax.tree_util.tree_leaves(trees):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax_core.Tracer):
+            if getattr(leaf, "committed", False):
+                return next(iter(leaf.devices())).platform
+    device = jax.config.jax_default_device
+    if device is not None:
+        return device if isinstance(device, str) else device.platform
+    return jax.default_backend()
+
+
 def split(leaves: Sequence, mask: Sequence[bool]) -> tuple[Leaves, Leaves]:
     return [l for l, m in zip(leaves, mask) if m], [l for l, m in zip(leaves, mask) if not m]
 

@@ -33,6 +33,7 @@ from ._body import (
     make_body,
     merge,
     nbytes,
+    platform,
     refuse_reverse_over_reverse,
     split,
     step_profile,
@@ -148,6 +149,7 @@ def scan(
         executor=executor,
         host=_host_slots(host, nbytes(body.carry_avals), name=_NAME),
         budget=budget,
+        backend=platform(init, xs),
     )
 
     run = _differentiable_run(body, plan, num_steps, unroll)
@@ -244,6 +246,7 @@ def scan_schedule(
         rows=True,
         host=_host_slots(host, nbytes(body.carry_avals), name=name),
         budget=budget,
+        backend=platform(init, xs),
     )
     if isinstance(prog, StaticPlan):
         return nest_schedule(prog)
@@ -488,9 +491,10 @@ def _plan(
     rows: bool = False,
     host: tuple[int | float, tuple[float, float]] | None = None,
     budget: int | Bytes | None = None,
+    backend: str,
 ):
     """The residuals, schedule, program and budget for a body differentiated as ``body``
-    says.
+    says, run on ``backend`` (`platform`: it sets the time model's constants).
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated, and a
@@ -539,7 +543,7 @@ def _plan(
         return spec, None, static, slots
     if isinstance(budget, Bytes):  # the rows' and the recursion's working set too
         slots = min(slots, max(1, (budget.num_bytes - sizes.fixed) // max(carry_bytes, 1)))
-    charges = auto_charges(num_steps, executor)
+    charges = auto_charges(num_steps, executor, backend)
     chosen = (
         "hsm"
         if executor == "recursion"
@@ -548,10 +552,11 @@ def _plan(
     if chosen == "hsm":
         slots = min(slots, useful_slots(num_steps, alpha, "hsm"))
     if chosen == "hsm" and (
-        executor == "recursion" or (executor == "auto" and num_steps >= recursion_min_steps())
+        executor == "recursion"
+        or (executor == "auto" and num_steps >= recursion_min_steps(backend))
     ):
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
-        if static is not None and _faster_static(body, static, hsm_cost(num_steps, slots), None):
+        if static is not None and _faster_static(body, static, hsm_cost(num_steps, slots), None, backend):
             return spec, None, static, slots
         return spec, schedule, None, slots
     m = slots
@@ -565,7 +570,7 @@ def _plan(
             used += prog.runtime_bytes
             allowed = budget.num_bytes - sizes.fixed
         if used <= allowed or m == 1:
-            if static is not None and _faster_static(body, static, schedule.cost, prog):
+            if static is not None and _faster_static(body, static, schedule.cost, prog, backend):
                 return spec, None, static, slots
             if used > allowed and executor == "auto" and isinstance(budget, Bytes):
                 # The rows do not fit; the recursion keeps no rows.
@@ -652,10 +657,12 @@ def _no_static_plan(name: str, num_steps: int, budget, slots: int, sizes: _Sizes
     )
 
 
-def _faster_static(body: Body, static: StaticPlan, evaluations: float, prog) -> bool:
-    """Whether the static plan is predicted faster than a plan of ``evaluations`` on the
-    rows (``prog``) or the recursion (``prog is None``); see `loop_seconds`."""
-    backend = jax.default_backend()
+def _faster_static(
+    body: Body, static: StaticPlan, evaluations: float, prog, backend: str
+) -> bool:
+    """Whether the static plan is predicted faster on ``backend`` than a plan of
+    ``evaluations`` on the rows (``prog``) or the recursion (``prog is None``); see
+    `loop_seconds`."""
     profile = step_profile(body)
     step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
     executor = "recursion" if prog is None else "rows"

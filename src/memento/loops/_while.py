@@ -52,6 +52,7 @@ from ._body import (
     make_body,
     merge,
     nbytes,
+    platform,
     refuse_reverse_over_reverse,
     split,
     structure_error,
@@ -997,7 +998,7 @@ def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, t
     every step.
     """
     held_pos, held_until = held
-    if jax.default_backend() == "cpu":
+    if platform() == "cpu":
 
         def write(hidden, held_pos, held_until):
             hidden = carry_slots.write(hidden, slot, c, pos=pos)
