@@ -44,9 +44,9 @@ def platform(*trees) -> str:
     (``jax.default_device``), else JAX's default backend. Under ``jit`` the inputs are
     tracers, and the default device decides."""
     for leaf in jax.tree_util.tree_leaves(trees):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax_core.Tracer):
-            if getattr(leaf, "committed", False):
-                return next(iter(leaf.devices())).platform
+        concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, jax_core.Tracer)
+        if concrete and getattr(leaf, "committed", False):
+            return next(iter(leaf.devices())).platform
     device = jax.config.jax_default_device
     if device is not None:
         return device if isinstance(device, str) else device.platform
