@@ -556,7 +556,9 @@ def _plan(
         or (executor == "auto" and num_steps >= recursion_min_steps(backend))
     ):
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
-        if static is not None and _faster_static(body, static, hsm_cost(num_steps, slots), None, backend):
+        if static is not None and _faster_static(
+            body, static, hsm_cost(num_steps, slots), None, backend
+        ):
             return spec, None, static, slots
         return spec, schedule, None, slots
     m = slots
@@ -657,9 +659,7 @@ def _no_static_plan(name: str, num_steps: int, budget, slots: int, sizes: _Sizes
     )
 
 
-def _faster_static(
-    body: Body, static: StaticPlan, evaluations: float, prog, backend: str
-) -> bool:
+def _faster_static(body: Body, static: StaticPlan, evaluations: float, prog, backend: str) -> bool:
     """Whether the static plan is predicted faster on ``backend`` than a plan of
     ``evaluations`` on the rows (``prog``) or the recursion (``prog is None``); see
     `loop_seconds`."""
