@@ -139,6 +139,41 @@ def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share)
             assert temp <= budget * 1.05 + 4096, (executor, temp, budget)
 
 
+def _elementwise_loss(w, xs, h0=None, memory=None, executor="auto"):
+    h, ys = memento.scan(
+        lambda h, x: (jnp.tanh(w * h + x), jnp.sum(h**2)), h0, xs, memory=memory, executor=executor
+    )
+    return jnp.sum(ys) + jnp.sum(h)
+
+
+@pytest.mark.parametrize(
+    "width,num_steps,share",
+    [(1, 7, 0.5), (256, 3000, 0.1), (2**20, 12, 0.4)],  # a scalar to a 4 MiB carry
+)
+@pytest.mark.parametrize("executor", ["auto", "static", "rows", "recursion"])
+def test_byte_budgets_hold_for_every_executor(width, num_steps, share, executor):
+    # Every executor auto can pick keeps a byte budget: the compiled gradient's temp
+    # bytes, give or take 5% and 4 KiB, or a clear refusal naming the least.
+    with jax.enable_x64(False):
+        w = jnp.linspace(0.1, 0.9, width)
+        h0, xs = jnp.zeros(width), jnp.ones((num_steps, width)) * 0.1
+        full = _temp(jax.grad(functools.partial(_elementwise_loss, h0=h0)), w, xs)
+        budget = max(int(full * share), 1)
+        f = jax.grad(
+            functools.partial(_elementwise_loss, h0=h0, memory=f"{budget}B", executor=executor)
+        )
+        try:
+            temp = _temp(f, w, xs)
+        except ValueError as e:
+            assert "smallest takes" in str(e) or "cannot hold" in str(e) or "least" in str(e), str(
+                e
+            )
+            return
+        assert temp <= budget * 1.05 + 4096, (temp, budget)
+        want = jax.grad(_elementwise_loss)(w, xs, h0)
+        np.testing.assert_allclose(f(w, xs), want, rtol=2e-4, atol=1e-5)  # float32 sums
+
+
 def test_a_budget_below_the_smallest_plan_names_it():
     w, h0, xs = _params(1000)
     with pytest.raises(ValueError, match=r"smallest takes \d+ bytes \(memory='\d+B'\)"):
