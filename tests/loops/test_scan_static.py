@@ -4,6 +4,7 @@ evaluations it makes against its schedule's replay, byte budgets against XLA's o
 count, and the sizes at the extremes."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,22 @@ def test_byte_budgets_hold_for_every_executor(width, num_steps, share, executor)
         assert temp <= budget * 1.05 + 4096, (temp, budget)
         want = jax.grad(_elementwise_loss)(w, xs, h0)
         np.testing.assert_allclose(f(w, xs), want, rtol=2e-4, atol=1e-5)  # float32 sums
+
+
+def test_rows_refuse_a_byte_budget_their_rows_do_not_fit_and_name_the_least():
+    # The rows executor keeps O(T) schedule rows on the device: forced, a byte budget
+    # below them is a clear error naming the least, not a program past the budget; that
+    # least then compiles within it.
+    w, h0, xs = _params(2000)
+    f = functools.partial(_cell_loss, h0=h0, executor="rows")
+    with pytest.raises(ValueError, match=r"executor='rows' cannot run 2000 steps") as e:
+        jax.grad(f)(w, xs, memory="4KiB")
+    least = int(re.search(r"memory='(\d+)B'", str(e.value)).group(1))
+    temp = _temp(jax.grad(functools.partial(f, memory=f"{least}B")), w, xs)
+    assert temp <= least * 1.05 + 4096
+    # auto falls back to what fits instead
+    temp = _temp(jax.grad(functools.partial(_cell_loss, h0=h0, memory="4KiB", executor="auto")), w, xs)
+    assert temp <= 4096 * 1.05 + 4096
 
 
 def test_a_budget_below_the_smallest_plan_names_it():

@@ -578,6 +578,15 @@ def _plan(
                 # The rows do not fit; the recursion keeps no rows.
                 hsm = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
                 return spec, hsm, None, slots
+            if used > allowed and isinstance(budget, Bytes):
+                least = used + sizes.fixed
+                raise ValueError(
+                    f"{name}: executor='rows' cannot run {num_steps} steps within "
+                    f"{budget.num_bytes} bytes: its schedule's rows alone take "
+                    f"{prog.runtime_bytes} bytes, and its smallest plan takes {least} bytes "
+                    f"(memory='{least}B'). Raise memory, or use executor='auto', which "
+                    "runs static nests or the recursion (no rows)."
+                )
             return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
 
