@@ -56,7 +56,7 @@ from ._interpreter import (
     run_sweep,
     unroll_factor,
 )
-from ._pool import varying
+from ._pool import checks_enabled, varying
 
 _NAME = "memento.scan"
 _MAX_STEPS = 2**31 - 2  # positions and the sweep's step counter are int32
@@ -555,6 +555,7 @@ def _plan(
         executor == "recursion"
         or (executor == "auto" and num_steps >= recursion_min_steps(backend))
     ):
+        slots = _recursion_slots(slots, budget, sizes)
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
         if static is not None and _faster_static(
             body, static, hsm_cost(num_steps, slots), None, backend
@@ -576,6 +577,7 @@ def _plan(
                 return spec, None, static, slots
             if used > allowed and executor == "auto" and isinstance(budget, Bytes):
                 # The rows do not fit; the recursion keeps no rows.
+                slots = _recursion_slots(slots, budget, sizes)
                 hsm = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
                 return spec, hsm, None, slots
             if used > allowed and isinstance(budget, Bytes):
@@ -589,6 +591,15 @@ def _plan(
                 )
             return spec, schedule, prog, m
         m = max(1, min(m - 1, m * allowed // used))
+
+
+def _recursion_slots(slots: int, budget, sizes: _Sizes) -> int:
+    """``slots`` within a byte budget on the recursion, which keeps an int32 position per
+    slot beside its carry (and an int32 tag per stored state with `checks_enabled`)."""
+    if not isinstance(budget, Bytes):
+        return slots
+    per_slot = sizes.carry + 4 + 4 * checks_enabled()
+    return max(1, min(slots, (budget.num_bytes - sizes.fixed) // per_slot))
 
 
 @dataclasses.dataclass(frozen=True)
