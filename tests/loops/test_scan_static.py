@@ -187,8 +187,21 @@ def test_rows_refuse_a_byte_budget_their_rows_do_not_fit_and_name_the_least():
     temp = _temp(jax.grad(functools.partial(f, memory=f"{least}B")), w, xs)
     assert temp <= least * 1.05 + 4096
     # auto falls back to what fits instead
-    temp = _temp(jax.grad(functools.partial(_cell_loss, h0=h0, memory="4KiB", executor="auto")), w, xs)
+    temp = _temp(
+        jax.grad(functools.partial(_cell_loss, h0=h0, memory="4KiB", executor="auto")), w, xs
+    )
     assert temp <= 4096 * 1.05 + 4096
+
+
+@pytest.mark.parametrize("share", [0.02, 0.3])
+def test_the_recursion_counts_its_positions_in_a_byte_budget(share):
+    # A 4-float carry is 16 bytes; the recursion keeps an int32 position (and, with the
+    # suite's checks on, a tag) per slot: at 3000 slots that is past the 4 KiB slack.
+    w, h0, xs = _params(3000, h=4)
+    full = _temp(jax.grad(functools.partial(_cell_loss, h0=h0, executor="auto")), w, xs)
+    budget = int(full * share)
+    f = jax.grad(functools.partial(_cell_loss, h0=h0, memory=f"{budget}B", executor="recursion"))
+    assert _temp(f, w, xs) <= budget * 1.05 + 4096
 
 
 def test_a_budget_below_the_smallest_plan_names_it():

@@ -595,10 +595,10 @@ def _plan(
 
 def _recursion_slots(slots: int, budget, sizes: _Sizes) -> int:
     """``slots`` within a byte budget on the recursion, which keeps an int32 position per
-    slot beside its carry (and an int32 tag per stored state with `checks_enabled`)."""
+    slot beside its carry (and tags and positions, 12 bytes a slot, with `checks_enabled`)."""
     if not isinstance(budget, Bytes):
         return slots
-    per_slot = sizes.carry + 4 + 4 * checks_enabled()
+    per_slot = sizes.carry + 4 + 12 * checks_enabled()
     return max(1, min(slots, (budget.num_bytes - sizes.fixed) // per_slot))
 
 
