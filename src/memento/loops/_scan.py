@@ -541,6 +541,11 @@ def _plan(
         if static is None:
             raise ValueError(_no_static_plan(name, num_steps, budget, slots, sizes))
         return spec, None, static, slots
+    if static is not None and _faster_static(body, static, num_steps, None, backend):
+        # Faster than any loop of the rows or the recursion could be (each evaluates
+        # every step at least once, one iteration each): no schedule to plan or compile,
+        # which at 10^6 steps takes seconds.
+        return spec, None, static, slots
     if isinstance(budget, Bytes):  # the rows' and the recursion's working set too
         slots = min(slots, max(1, (budget.num_bytes - sizes.fixed) // max(carry_bytes, 1)))
     charges = auto_charges(num_steps, executor, backend)
@@ -576,8 +581,13 @@ def _plan(
             if static is not None and _faster_static(body, static, schedule.cost, prog, backend):
                 return spec, None, static, slots
             if used > allowed and executor == "auto" and isinstance(budget, Bytes):
-                # The rows do not fit; the recursion keeps no rows.
+                # The rows do not fit; the recursion keeps no rows, static nests none.
                 slots = _recursion_slots(slots, budget, sizes)
+                hsm_evaluations = hsm_cost(num_steps, slots)
+                if static is not None and _faster_static(
+                    body, static, hsm_evaluations, None, backend
+                ):
+                    return spec, None, static, slots
                 hsm = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
                 return spec, hsm, None, slots
             if used > allowed and isinstance(budget, Bytes):
@@ -585,7 +595,7 @@ def _plan(
                 raise ValueError(
                     f"{name}: executor='rows' cannot run {num_steps} steps within "
                     f"{budget.num_bytes} bytes: its schedule's rows alone take "
-                    f"{prog.runtime_bytes} bytes, and its smallest plan takes {least} bytes "
+                    f"{prog.runtime_bytes} bytes; its smallest takes {least} bytes "
                     f"(memory='{least}B'). Raise memory, or use executor='auto', which "
                     "runs static nests or the recursion (no rows)."
                 )
