@@ -199,8 +199,11 @@ def test_memento_scan_equals_lax_scan(case):
     want = results(lax.scan)
     try:
         got = results(budgeted)
-    except ValueError as e:  # ISM below one internal state: the one refusal accepted
-        assert policy == "ism", e
+    except ValueError as e:  # the refusals accepted, each naming what it needs
+        if executor == "rows" and "executor='rows' cannot run" in str(e):
+            assert "its smallest takes" in str(e), e  # a byte budget below its rows
+            return
+        assert policy == "ism", e  # ISM below one internal state
         assert "needs room for one internal state" in str(e), e
         return
     if not case["second_order"]:
