@@ -269,7 +269,7 @@ def test_readonly_carry_plans_as_a_closed_over_value():
     w, _, h0, xs = _ro_args()
     as_carry = lambda c, x: ((jnp.tanh(c[1] @ c[0] + x), c[1]), c[0])
     closed = lambda h, x: (jnp.tanh(w @ h + x), h)
-    for memory, policy in [(2, "auto"), (3, "hsm"), (9, "ism"), (5, "msm"), ("1KiB", "auto")]:
+    for memory, policy in [(2, "auto"), (3, "hsm"), (9, "ism"), (5, "msm"), ("4KiB", "auto")]:
         kw = dict(memory=memory, policy=policy, executor="rows")
         assert memento.loops.scan_schedule(
             as_carry, (h0, w), xs, **kw
