@@ -490,7 +490,7 @@ def _plan(
     name: str = _NAME,
     rows: bool = False,
     host: tuple[int | float, tuple[float, float]] | None = None,
-    budget: int | Bytes | None = None,
+    budget: int | Bytes | Percent | None = None,
     backend: str,
 ):
     """The residuals, schedule, program and budget for a body differentiated as ``body``
@@ -530,7 +530,8 @@ def _plan(
     if executor == "static" and mapped:
         raise NotImplementedError(
             f"{name}: executor='static' does not run inside shard_map (a value varies "
-            "over mesh axes: {mapped}); use executor='auto', 'rows' or 'recursion'."
+            f"over mesh axes: {', '.join(map(str, mapped))}); use executor='auto', 'rows' or "
+            "'recursion'."
         )
     if executor in ("static", "auto") and policy == "auto" and not mapped:
         room, kinds = _static_budget(budget, slots, sizes)
@@ -541,13 +542,16 @@ def _plan(
         if static is None:
             raise ValueError(_no_static_plan(name, num_steps, budget, slots, sizes))
         return spec, None, static, slots
-    if static is not None and _faster_static(body, static, num_steps, None, backend):
+    if static is not None:  # one step's predicted seconds, for every comparison below
+        profile = step_profile(body)
+        step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+    if static is not None and _faster_static(static, num_steps, None, step=step, backend=backend):
         # Faster than any loop of the rows or the recursion could be (each evaluates
         # every step at least once, one iteration each): no schedule to plan or compile,
         # which at 10^6 steps takes seconds.
         return spec, None, static, slots
     if isinstance(budget, Bytes):  # the rows' and the recursion's working set too
-        slots = min(slots, max(1, (budget.num_bytes - sizes.fixed) // max(carry_bytes, 1)))
+        slots = _slots_within(slots, budget, sizes, per_slot=carry_bytes)
     charges = auto_charges(num_steps, executor, backend)
     chosen = (
         "hsm"
@@ -563,7 +567,7 @@ def _plan(
         slots = _recursion_slots(slots, budget, sizes)
         schedule = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
         if static is not None and _faster_static(
-            body, static, hsm_cost(num_steps, slots), None, backend
+            static, hsm_cost(num_steps, slots), None, step=step, backend=backend
         ):
             return spec, None, static, slots
         return spec, schedule, None, slots
@@ -578,14 +582,16 @@ def _plan(
             used += prog.runtime_bytes
             allowed = budget.num_bytes - sizes.fixed
         if used <= allowed or m == 1:
-            if static is not None and _faster_static(body, static, schedule.cost, prog, backend):
+            if static is not None and _faster_static(
+                static, schedule.cost, prog, step=step, backend=backend
+            ):
                 return spec, None, static, slots
             if used > allowed and executor == "auto" and isinstance(budget, Bytes):
                 # The rows do not fit; the recursion keeps no rows, static nests none.
                 slots = _recursion_slots(slots, budget, sizes)
                 hsm_evaluations = hsm_cost(num_steps, slots)
                 if static is not None and _faster_static(
-                    body, static, hsm_evaluations, None, backend
+                    static, hsm_evaluations, None, step=step, backend=backend
                 ):
                     return spec, None, static, slots
                 hsm = choose_schedule(num_steps, slots, alpha, "hsm", name=name) if rows else None
@@ -603,13 +609,18 @@ def _plan(
         m = max(1, min(m - 1, m * allowed // used))
 
 
+def _slots_within(slots: int, budget: Bytes, sizes: _Sizes, *, per_slot: int) -> int:
+    """At most ``slots``, at least one, of ``per_slot`` bytes each beside the fixed
+    working set within a byte budget."""
+    return max(1, min(slots, (budget.num_bytes - sizes.fixed) // max(per_slot, 1)))
+
+
 def _recursion_slots(slots: int, budget, sizes: _Sizes) -> int:
     """``slots`` within a byte budget on the recursion, which keeps an int32 position per
     slot beside its carry (and tags and positions, 12 bytes a slot, with `checks_enabled`)."""
     if not isinstance(budget, Bytes):
         return slots
-    per_slot = sizes.carry + 4 + 12 * checks_enabled()
-    return max(1, min(slots, (budget.num_bytes - sizes.fixed) // per_slot))
+    return _slots_within(slots, budget, sizes, per_slot=sizes.carry + 4 + 12 * checks_enabled())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -689,12 +700,12 @@ def _no_static_plan(name: str, num_steps: int, budget, slots: int, sizes: _Sizes
     )
 
 
-def _faster_static(body: Body, static: StaticPlan, evaluations: float, prog, backend: str) -> bool:
-    """Whether the static plan is predicted faster on ``backend`` than a plan of
-    ``evaluations`` on the rows (``prog``) or the recursion (``prog is None``); see
-    `loop_seconds`."""
-    profile = step_profile(body)
-    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+def _faster_static(
+    static: StaticPlan, evaluations: float, prog, *, step: float, backend: str
+) -> bool:
+    """Whether the static plan is predicted faster on ``backend``, with steps of ``step``
+    seconds, than a plan of ``evaluations`` on the rows (``prog``) or the recursion
+    (``prog is None``); see `loop_seconds`."""
     executor = "recursion" if prog is None else "rows"
     other_iterations = evaluations if prog is None else evaluations + len(prog.primal_rows)
     mine = loop_seconds(
