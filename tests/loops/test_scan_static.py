@@ -212,6 +212,27 @@ def test_a_budget_below_the_smallest_plan_names_it():
         jax.grad(_cell_loss)(w, xs, h0, 2)
 
 
+def test_static_refused_inside_shard_map_names_the_axes():
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("rows_axis",))
+    spec = jax.sharding.PartitionSpec("rows_axis")
+
+    def grad_of(h):
+        def loss(h):
+            step = lambda c, x: (jnp.tanh(c + x), c)
+            return memento.scan(step, h, jnp.ones((8, h.shape[0])), memory=3, executor="static")[
+                1
+            ].sum()
+
+        return jax.grad(loss)(h)
+
+    f = jax.shard_map(grad_of, mesh=mesh, in_specs=spec, out_specs=spec)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"does not run inside shard_map \(a value varies over mesh axes: rows_axis\)",
+    ):
+        f(jnp.ones(4))
+
+
 def test_static_needs_policy_auto():
     _, h0, xs = _params(10)
     with pytest.raises(ValueError, match="executor='static'"):
