@@ -27,7 +27,8 @@ INSIDE = "MEMENTO_DEVICES" in os.environ  # set by test_on_several_devices for i
 # runs in the randomised tests).
 _VARIANTS = "hsm-1 or hsm-rec-1"
 SUBSET = (
-    "sharded or memento_scan_equals_lax_scan or random_carries or ((grad_reverse or keys_ints) "
+    "sharded or memento_scan_equals_lax_scan or random_carries or "
+    "((grad_reverse or keys_ints or forward_modes_and_reverse_over_reverse) "
     f"and ({_VARIANTS}))"
 )
 

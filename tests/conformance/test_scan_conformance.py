@@ -18,7 +18,7 @@ from jax import lax
 
 import memento
 
-from ._variants import FEW, HOST, LAX, MEMENTO, PATHS, RECURSION, ROWS, T, assert_close
+from ._variants import FEW, HOST, LAX, MEMENTO, PATHS, RECURSION, ROWS, STATIC, T, assert_close
 
 # Tests of values only take the rows variants: the executor acts in the backward pass.
 VALUES = [LAX, *ROWS]
@@ -377,41 +377,71 @@ def test_integer_xs_and_unused_inputs(scan):
     assert_close(g(scan), _lax_once("integer-xs", lambda: g(LAX)))
 
 
-# -- what memento refuses, clearly ---------------------------------------------------
+# -- forward mode and reverse over reverse ---------------------------------------------
 
 
-# The refusals come before any plan: one budget per executor.
-@pytest.mark.parametrize("scan", [ROWS[0], RECURSION[0]], ids=repr)
-def test_unsupported_transformations_raise_memento_errors(scan):
+def forward_modes(scan) -> list:
+    """Forward mode of the RNN loss and of its loop's outputs (jvp, jacfwd, linearize),
+    reverse over forward, reverse over reverse (grad of grad, jacrev of jacrev, linearize of
+    the gradient), forward over forward, and jvp under vmap."""
+    params, h0, xs = rnn_args()
+    f = functools.partial(rnn, scan)
+    outs = lambda h0, xs: scan(body, h0, xs)  # noqa: E731
+    v = jax.tree_util.tree_map(lambda a: jnp.cos(jnp.arange(a.size).reshape(a.shape)), params)
+    dh = jnp.sin(jnp.arange(h0.size) + 1.0)
+
+    @jax.jit
+    def run(params, h0, xs):
+        _, f_lin = jax.linearize(f, params, h0, xs)
+        _, g_lin = jax.linearize(jax.grad(f, 1), params, h0, xs)
+        return [
+            jax.jvp(f, (params, h0, xs), (v, dh, jnp.cos(xs))),
+            jax.jvp(outs, (h0, xs), (dh, jnp.sin(xs))),
+            jax.jacfwd(outs)(h0, xs),
+            f_lin(v, dh, jnp.cos(xs)),
+            jax.grad(lambda p: jax.jvp(lambda p: f(p, h0, xs), (p,), (v,))[1])(params),
+            jax.grad(lambda h: jnp.sum(jax.grad(f, (0, 1))(params, h, xs)[1] ** 2))(h0),
+            jax.jacrev(jax.jacrev(lambda h: f(params, h, xs)))(h0),
+            g_lin(v, dh, jnp.cos(xs)),
+            jax.jacfwd(jax.jacfwd(lambda h: f(params, h, xs)))(h0),
+            jax.vmap(lambda t: jax.jvp(lambda h: f(params, h, xs), (h0,), (t,))[1])(
+                jnp.stack([dh, 2 * dh])
+            ),
+        ]
+
+    return run(params, h0, xs)
+
+
+@pytest.mark.parametrize("scan", SECOND_ORDER, ids=repr)
+def test_forward_modes_and_reverse_over_reverse(scan):
+    assert_close(forward_modes(scan), _lax_once("forward-modes", lambda: forward_modes(LAX)))
+
+
+@pytest.mark.parametrize("scan", [ROWS[0], RECURSION[0], STATIC[0]], ids=repr)
+def test_forward_modes_of_a_scalar_loop_eagerly(scan):
+    # Outside jit: the tangent map and the backward pass run as their own programs.
     def f(a):
         return scan(lambda c, x: (jnp.sin(c * a + x), c), 0.5, XS[:, 0])[0]
 
-    with pytest.raises(TypeError, match=r"memento\.scan: forward-mode differentiation"):
-        jax.jvp(f, (0.7,), (1.0,))
-    with pytest.raises(TypeError, match=r"memento\.scan: forward-mode differentiation"):
-        jax.grad(lambda a: jax.jvp(f, (a,), (1.0,))[1])(0.7)  # reverse over forward
-    with pytest.raises(
-        NotImplementedError, match=r"memento\.scan: reverse-over-reverse.*jax\.hessian"
+    def ref(a):
+        return LAX(lambda c, x: (jnp.sin(c * a + x), c), 0.5, XS[:, 0])[0]
+
+    for d in (
+        lambda g: jax.jvp(g, (0.7,), (1.3,)),
+        lambda g: jax.grad(lambda a: jax.jvp(g, (a,), (1.0,))[1])(0.7),
+        lambda g: jax.grad(jax.grad(g))(0.7),
+        lambda g: jax.grad(jax.grad(jax.grad(g)))(0.7),
+        lambda g: jax.linearize(jax.grad(g), 0.7)[1](1.0),
+        lambda g: jax.hessian(g)(0.7),
     ):
-        jax.grad(jax.grad(f))(0.7)
-    with pytest.raises(NotImplementedError, match=r"memento\.scan: reverse-over-reverse"):
-        jax.linearize(jax.grad(f), 0.7)
-    # jax.linearize of the loop itself: JAX's own error when its linear map is applied.
-    _, f_lin = jax.linearize(f, 0.7)
-    with pytest.raises(TypeError, match="forward-mode autodiff"):
-        f_lin(1.0)
-    # the second-order paths that work are exact
-    assert_close(
-        jax.hessian(f)(0.7),
-        jax.hessian(lambda a: LAX(lambda c, x: (jnp.sin(c * a + x), c), 0.5, XS[:, 0])[0])(0.7),
-    )
+        assert_close(d(f), d(ref))
 
 
 def test_variants_really_are_budgeted():
     # The suite means something only if the memento variants run their own executor.
     loss = lambda s, c: s(body, c, XS)[1].sum()
     for s in MEMENTO:
-        assert "custom_vjp_call" in str(jax.make_jaxpr(functools.partial(loss, s))(C0))
+        assert "custom_jvp_call" in str(jax.make_jaxpr(functools.partial(loss, s))(C0))
         # the backward pass is memento's interpreter loop, where lax.scan's is a scan
         # (the static executor's is nested scans: its plans are checked in test_scan_static)
         if s.executor != "static":

@@ -405,6 +405,12 @@ def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead:
     return jax.tree_util.tree_map(lambda x: x if is_float(x) else _no_tangent(x), out)
 
 
+def no_tangent_if_int(out):
+    """``out`` (a pytree) with its integer, bool and key leaves given no tangent at all,
+    as ``lax.scan`` and ``lax.while_loop`` give them (see `call_reverse_mode_only`)."""
+    return jax.tree_util.tree_map(lambda x: x if is_float(x) else _no_tangent(x), out)
+
+
 @jax.custom_jvp
 def _no_tangent(x):
     """The identity, with a symbolic zero tangent whatever the input's."""

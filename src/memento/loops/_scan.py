@@ -26,15 +26,12 @@ from ..planning.internals import (
 from . import _recursion, _static
 from ._body import (
     Body,
-    Static,
-    call_reverse_mode_only,
-    guard_backward,
-    instantiate,
+    is_float,
     make_body,
     merge,
     nbytes,
+    no_tangent_if_int,
     platform,
-    refuse_reverse_over_reverse,
     split,
     step_profile,
 )
@@ -56,6 +53,7 @@ from ._interpreter import (
     run_sweep,
     unroll_factor,
 )
+from ._linear import Loop, differentiable
 from ._pool import checks_enabled, varying
 
 _NAME = "memento.scan"
@@ -152,10 +150,19 @@ def scan(
         backend=platform(init, xs),
     )
 
-    run = _differentiable_run(body, plan, num_steps, unroll)
-    carry, ys = call_reverse_mode_only(
-        run, (body.consts, init_leaves, x_leaves), name=_NAME, instead="memory=None (lax.scan)"
+    again = functools.partial(
+        scan,
+        length=num_steps,
+        unroll=unroll,
+        memory=memory,
+        policy=policy,
+        executor=executor,
+        host_memory=host_memory,
+        transfer_cost=transfer_cost,
     )
+    loop = _ScanLoop(body, plan, num_steps, unroll, again)
+    out = no_tangent_if_int(differentiable(loop)(*body.consts, *init_leaves, *x_leaves))
+    carry, ys = out[: len(init_leaves)], out[len(init_leaves) :]
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
     carry = merge(fixed, carry, readonly)  # a read-only leaf ends as it began
@@ -757,64 +764,116 @@ def _plan_two_level(body, spec, num_steps, slots, alpha, policy, host, carry_byt
             h = max(0, min(h - 1, h * (h * carry_bytes) // max(host_used, 1)))
 
 
-def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
-    """The loop as a ``custom_vjp`` function of (consts, init, xs), flat leaves.
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ScanLoop(Loop):
+    """The budgeted scan as `_linear` differentiates it: flat arguments ``(consts, init,
+    xs)``, outputs ``(carry, ys)``.
 
     ``unroll`` is ``lax.scan``'s: the first sweep is a ``lax.scan`` with it, and the
-    backward pass's recomputation loops run as many steps per iteration."""
-    k = unroll_factor(unroll, num_steps)
+    backward pass's recomputation loops run as many steps per iteration. ``again`` is
+    `scan` with this loop's memory, policy and executor, for the loop of the step's JVP.
+    """
 
-    @jax.custom_vjp
-    def run(consts, init, xs):
-        def step(c, x):
-            return body(consts, c, x)
+    body: Body
+    plan_for: Callable
+    num_steps: int
+    unroll: Any
+    again: Callable
 
-        return lax.scan(step, init, xs, length=num_steps, unroll=unroll)
+    def _parts(self, leaves) -> tuple[list, list, list]:
+        n_k, n_c = len(self.body.consts), len(self.body.carry_avals)
+        return list(leaves[:n_k]), list(leaves[n_k : n_k + n_c]), list(leaves[n_k + n_c :])
 
-    def fwd(consts, init, xs):
-        # symbolic_zeros: each argument comes with whether it is perturbed (needs a
-        # cotangent); only what is perturbed, or depends on it, is differentiated.
-        b = body.restrict(*([a.perturbed for a in args] for args in (consts, init, xs)))
-        spec, _, prog, budget = plan(b)
-        consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
+    def primal(self, args):
+        consts, init, xs = self._parts(args)
+        step = lambda c, x: self.body(consts, c, x)  # noqa: E731
+        c, ys = lax.scan(step, init, xs, length=self.num_steps, unroll=self.unroll)
+        return [*c, *ys]
+
+    def prepare(self, perturbed):
+        # Only what is perturbed, or depends on it, is differentiated.
+        _, init, _ = masks = self._parts(perturbed)
+        b = self.body.restrict(*masks)
+        spec, _, prog, budget = self.plan_for(b)
+        # A carry leaf differentiated only because a step makes it depend on a perturbed
+        # input returns no cotangent: its initial value is not perturbed.
+        returned = [p for p, m in zip(init, b.carry_mask) if m]
+        return b, spec, prog, budget, returned
+
+    def forward(self, plan, args):
+        b, spec, prog, budget, _ = plan
+        consts, init, xs = self._parts(args)
         if isinstance(prog, StaticPlan):
+            k = unroll_factor(self.unroll, self.num_steps)
             c, ys, saved = _static.forward(b, prog, consts, init, xs, unroll=k)
-            return (c, ys), (consts, init, xs, saved, None, Static((b, spec, prog, budget)))
+            return [*c, *ys], saved
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(
-                b, spec, budget, consts, init, xs, num_steps, unroll=unroll
+                b, spec, budget, consts, init, xs, self.num_steps, unroll=self.unroll
             )
         else:
-            c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=unroll)
-        return (c, ys), (consts, init, xs, slots, working, Static((b, spec, prog, budget)))
+            c, ys, slots, working = run_sweep(prog, b, spec, consts, init, xs, unroll=self.unroll)
+        return [*c, *ys], (slots, working)
 
-    def bwd(res, cts):
-        consts, init, xs, slots, working, static = res
-        b, spec, prog, budget = static.value
-        ct_c, ct_ys = cts
-        ct_c_f = instantiate(ct_c, b.carry_avals, b.carry_mask)
-        ct_ys_f = instantiate(ct_ys, b.y_avals, b.y_mask, leading=num_steps)
-        refuse_reverse_over_reverse((res, cts), name=_NAME)
+    def backward(self, plan, args, cache, cts):
+        b, spec, prog, budget, returned = plan
+        consts, init, xs = self._parts(args)
+        ct_c, ct_ys = self._differentiated(b, cts)
+        k = unroll_factor(self.unroll, self.num_steps)
         if isinstance(prog, StaticPlan):
             ct_k, ct_init, ct_xs = _static.backward(
-                b, prog, consts, xs, slots, ct_c_f, ct_ys_f, unroll=k
+                b, prog, consts, xs, cache, ct_c, ct_ys, unroll=k
             )
         elif prog is None:
             ct_k, ct_init, ct_xs = _recursion.scan_backward(
-                b, spec, budget, num_steps, consts, init, xs, slots, working, ct_c_f, ct_ys_f,
-                unroll=k,
-            )  # fmt: skip
+                b, spec, budget, self.num_steps, consts, init, xs, *cache, ct_c, ct_ys, unroll=k
+            )
         else:
             ct_k, ct_init, ct_xs = run_backward(
-                prog, b, spec, consts, init, xs, slots, working, ct_c_f, ct_ys_f, unroll=k
+                prog, b, spec, consts, init, xs, *cache, ct_c, ct_ys, unroll=k
             )
-        ct_k, ct_init, ct_xs = guard_backward((ct_k, ct_init, ct_xs), name=_NAME)
-        # None is a zero cotangent for custom_vjp: leaves not differentiated.
-        return (
-            merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
-            merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
-            merge(ct_xs, [None] * (len(xs) - len(ct_xs)), b.x_mask),
-        )
+        ct_init = [c for c, m in zip(ct_init, returned) if m]
+        return [*ct_k, *ct_init, *ct_xs]
 
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run
+    def _differentiated(self, b: Body, cts) -> tuple[list, list]:
+        """The cotangents of the differentiated carry leaves and ys, from those of every
+        float output."""
+        cts = iter(cts)
+        out = []
+        for avals, mask in ((b.carry_avals, b.carry_mask), (b.y_avals, b.y_mask)):
+            picked = []
+            for a, m in zip(avals, mask):
+                if is_float(a):
+                    ct = next(cts)
+                    if m:
+                        picked.append(ct)
+            out.append(picked)
+        return out[0], out[1]
+
+    def tangent_loop(self, args, tangents, mask):
+        consts, init, xs = self._parts(args)
+        mk, mc, mx = self._parts(mask)
+        b = self.body.restrict(mk, mc, mx)
+        tangents = iter(tangents)
+        tk = [next(tangents) for m in mk if m]
+        tc = [next(tangents) if m else None for m in mc]
+        tx = [next(tangents) for m in mx if m]
+        tc = [jnp.zeros_like(c) if t is None else t for c, t, m in zip(init, tc, b.carry_mask) if m]
+
+        def step(carry, x):
+            (c, dc), (x, dx) = carry, x
+            g, kf, cf, xf = b._diff_fn(consts, c, x)
+            (c_f, y_f), (dc, dy), (c_i, y_i) = jax.jvp(g, (kf, cf, xf), (tk, dc, dx), has_aux=True)
+            dc = [lax.convert_element_type(d, jax.typeof(a).dtype) for d, a in zip(dc, cf)]
+            return (merge(c_f, c_i, b.carry_mask), dc), (merge(y_f, y_i, b.y_mask), dy)
+
+        (c, dc), (ys, dys) = self.again(step, (init, tc), (xs, tx))
+        touts, dc, dys = [], iter(dc), iter(dys)
+        for outs, avals, mask, tan in (
+            (c, b.carry_avals, b.carry_mask, dc),
+            (ys, b.y_avals, b.y_mask, dys),
+        ):
+            for o, a, m in zip(outs, avals, mask):
+                if is_float(a):
+                    touts.append(next(tan) if m else jnp.zeros_like(o))
+        return [*c, *ys], touts
