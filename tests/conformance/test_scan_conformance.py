@@ -386,7 +386,7 @@ def forward_modes(scan) -> list:
     the gradient), forward over forward, and jvp under vmap."""
     params, h0, xs = rnn_args()
     f = functools.partial(rnn, scan)
-    outs = lambda h0, xs: scan(body, h0, xs)  # noqa: E731
+    outs = lambda h0, xs: scan(body, h0, xs)
     v = jax.tree_util.tree_map(lambda a: jnp.cos(jnp.arange(a.size).reshape(a.shape)), params)
     dh = jnp.sin(jnp.arange(h0.size) + 1.0)
 
