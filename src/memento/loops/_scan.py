@@ -630,7 +630,9 @@ class _Sizes:
     a step being back-propagated streams (its xs slice, its ys' cotangents and its xs'
     cotangent), and the fixed working set of the backward pass (a step's VJP in flight,
     the cotangent accumulators of the closed-over arrays, the loops' control state), and
-    what each level beyond the second and each nest beyond the first adds."""
+    what each level beyond the second and each nest beyond the first adds. Of the fixed
+    working set, ``accumulators`` are the closed-over arrays' cotangents, which the static
+    executor accumulates in the gradient it returns (no temporary buffer)."""
 
     carry: int
     residual: int
@@ -639,6 +641,7 @@ class _Sizes:
     level: int
     whole: int
     piece: int
+    accumulators: int
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
@@ -668,15 +671,16 @@ def _static_sizes(body: Body, spec) -> _Sizes:
     level = 4 * carry + 2 * _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
     piece = 4 * carry + _CONTROL_BYTES // 2
-    return _Sizes(carry, residual, stream, working + consts, level, xs, piece)
+    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts)
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
     """``(budget_bytes, sizes)`` arguments of `plan_static` for a budget: a byte budget
-    is the program's memory, less the backward pass's fixed working set; ``slots`` count
-    stored states only, carry-sized, as in the paper (the initial carry is one)."""
+    is the program's memory, less the backward pass's fixed working set but for the
+    cotangent accumulators; ``slots`` count stored states only, carry-sized, as in the
+    paper (the initial carry is one)."""
     if isinstance(budget, Bytes):
-        return budget.num_bytes - sizes.fixed, {
+        return budget.num_bytes - sizes.fixed + sizes.accumulators, {
             "carry_bytes": sizes.carry,
             "residual_bytes": sizes.residual,
             "stream_bytes": sizes.stream,
@@ -794,7 +798,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         spec, _, prog, budget = plan(b)
         consts, init, xs = ([a.value for a in args] for args in (consts, init, xs))
         if isinstance(prog, StaticPlan):
-            c, ys, saved = _static.forward(b, prog, consts, init, xs, unroll=k)
+            c, ys, saved = _static.forward(b, spec, prog, consts, init, xs, unroll=k)
             return (c, ys), (consts, init, xs, saved, None, Static((b, spec, prog, budget)))
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(
@@ -813,7 +817,7 @@ def _differentiable_run(body: Body, plan: Callable, num_steps: int, unroll):
         refuse_reverse_over_reverse((res, cts), name=_NAME)
         if isinstance(prog, StaticPlan):
             ct_k, ct_init, ct_xs = _static.backward(
-                b, prog, consts, xs, slots, ct_c_f, ct_ys_f, unroll=k
+                b, spec, prog, consts, xs, slots, ct_c_f, ct_ys_f, unroll=k
             )
         elif prog is None:
             ct_k, ct_init, ct_xs = _recursion.scan_backward(
