@@ -540,18 +540,19 @@ def _plan(
             f"over mesh axes: {', '.join(map(str, mapped))}); use executor='auto', 'rows' or "
             "'recursion'."
         )
+    # One step's predicted seconds, for the static plan's choice and every comparison below.
+    profile = step_profile(body)
+    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
     if executor in ("static", "auto") and policy == "auto" and not mapped:
         room, kinds = _static_budget(budget, slots, sizes)
         if isinstance(budget, Bytes) and budget.num_bytes >= num_steps * sizes.residual:
             room = math.inf  # room for lax.scan's own memory: store every step
-        static = plan_static(num_steps, room, **kinds)
+        seconds = functools.partial(_static_seconds, step=step, backend=backend)
+        static = plan_static(num_steps, room, **kinds, seconds=seconds)
     if executor == "static":
         if static is None:
             raise ValueError(_no_static_plan(name, num_steps, budget, slots, sizes))
         return spec, None, static, slots
-    if static is not None:  # one step's predicted seconds, for every comparison below
-        profile = step_profile(body)
-        step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
     if static is not None and _faster_static(static, num_steps, None, step=step, backend=backend):
         # Faster than any loop of the rows or the recursion could be (each evaluates
         # every step at least once, one iteration each): no schedule to plan or compile,
@@ -635,7 +636,10 @@ class _Sizes:
     """Bytes the static planner counts for a body: a carry, a step's internal state, what
     a step being back-propagated streams (its xs slice, its ys' cotangents and its xs'
     cotangent), and the fixed working set of the backward pass (a step's VJP in flight,
-    the cotangent accumulators of the closed-over arrays, the loops' control state)."""
+    the cotangent accumulators of the closed-over arrays, the loops' control state), and
+    what each level beyond the second and each nest beyond the first adds. Of the fixed
+    working set, ``accumulators`` are the closed-over arrays' cotangents, which the static
+    executor accumulates in the gradient it returns (no temporary buffer)."""
 
     carry: int
     residual: int
@@ -643,6 +647,8 @@ class _Sizes:
     fixed: int
     level: int
     whole: int
+    piece: int
+    accumulators: int
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
@@ -670,20 +676,24 @@ def _static_sizes(body: Body, spec) -> _Sizes:
     working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + 2 * _CONTROL_BYTES
-    return _Sizes(carry, residual, stream, working + consts, level, xs)
+    # A nest beyond the first: its loops' state, and its carries around them.
+    piece = 4 * carry + _CONTROL_BYTES // 2
+    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts)
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
     """``(budget_bytes, sizes)`` arguments of `plan_static` for a budget: a byte budget
-    is the program's memory, less the backward pass's fixed working set; ``slots`` count
-    stored states only, carry-sized, as in the paper (the initial carry is one)."""
+    is the program's memory, less the backward pass's fixed working set but for the
+    cotangent accumulators; ``slots`` count stored states only, carry-sized, as in the
+    paper (the initial carry is one)."""
     if isinstance(budget, Bytes):
-        return budget.num_bytes - sizes.fixed, {
+        return budget.num_bytes - sizes.fixed + sizes.accumulators, {
             "carry_bytes": sizes.carry,
             "residual_bytes": sizes.residual,
             "stream_bytes": sizes.stream,
             "level_bytes": sizes.level,
             "whole_bytes": sizes.whole,
+            "piece_bytes": sizes.piece,
         }
     return (slots - 1) * sizes.carry, {
         "carry_bytes": sizes.carry,
@@ -715,11 +725,21 @@ def _faster_static(
     (``prog is None``); see `loop_seconds`."""
     executor = "recursion" if prog is None else "rows"
     other_iterations = evaluations if prog is None else evaluations + len(prog.primal_rows)
-    mine = loop_seconds(
-        static.evaluations, static.loop_iterations, "static", step=step, backend=backend
-    )
+    mine = _static_seconds(static, step=step, backend=backend)
     theirs = loop_seconds(evaluations, other_iterations, executor, step=step, backend=backend)
     return mine <= theirs
+
+
+def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
+    """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``."""
+    return loop_seconds(
+        plan.evaluations,
+        plan.loop_iterations,
+        "static",
+        step=step,
+        backend=backend,
+        starts=plan.loop_starts,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -805,7 +825,7 @@ class _ScanLoop(Loop):
         consts, init, xs = self._parts(args)
         if isinstance(prog, StaticPlan):
             k = unroll_factor(self.unroll, self.num_steps)
-            c, ys, saved = _static.forward(b, prog, consts, init, xs, unroll=k)
+            c, ys, saved = _static.forward(b, spec, prog, consts, init, xs, unroll=k)
             return [*c, *ys], saved
         if prog is None:
             c, ys, slots, working = _recursion.scan_forward(
@@ -822,7 +842,7 @@ class _ScanLoop(Loop):
         k = unroll_factor(self.unroll, self.num_steps)
         if isinstance(prog, StaticPlan):
             ct_k, ct_init, ct_xs = _static.backward(
-                b, prog, consts, xs, cache, ct_c, ct_ys, unroll=k
+                b, spec, prog, consts, xs, cache, ct_c, ct_ys, unroll=k
             )
         elif prog is None:
             ct_k, ct_init, ct_xs = _recursion.scan_backward(

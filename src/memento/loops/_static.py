@@ -1,10 +1,13 @@
 """The static executor: a `StaticPlan` run as nested ``lax.scan``s of static lengths.
 
-Every loop has a trip count known when the program is traced, and the innermost
-segments are back-propagated by ``lax.scan``'s own VJP, so XLA compiles each as it
-compiles ``lax.scan``. The plan's pieces run in order in the forward pass, each keeping
+Every loop has a trip count known when the program is traced, so XLA compiles each as
+it compiles ``lax.scan``. The plan's pieces run in order in the forward pass, each keeping
 what `memento.planning.StaticPlan` says (the internal states of a piece stored whole, the
 carries at the starts of a nest's outer segments), and in reverse in the backward pass.
+An innermost segment is back-propagated as ``lax.scan``'s VJP does it, a loop that keeps
+each step's residuals (`Body.save`) and a reverse loop over their pullbacks, except that
+the reverse loop adds the consts' cotangents into the running ones: no segment's sum is
+a buffer of its own.
 
 Leaves are flat and split as the `Body` differentiates them: ``*_f`` leaves are
 differentiated (cotangents flow), the others are closed over. A segment's start is the
@@ -17,12 +20,11 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..planning.internals import StaticPlan
-from ._body import Body, merge, split
+from ._body import Body, ResidualSpec, split
 
 Leaves = list
 
@@ -60,64 +62,15 @@ def _counted(f: Callable, state, n: int, *, reverse: bool = False):
     return state, out
 
 
-def _segment_vjp(b: Body, consts, c0, xs_seg, n: int, unroll: int):
-    """``n`` steps from ``c0`` keeping their internal states: ``(carry, ys, pullback)``,
-    the pullback mapping ``(ct_carry_f, ct_ys_f)`` to ``(ct_consts_f, ct_c0_f, ct_xs_f)``."""
-    kf, ki = split(consts, b.const_mask)
-    cf, ci = split(c0, b.carry_mask)
-    xf, xi = split(xs_seg, b.x_mask)
-
-    def segment(kf, cf, xf):
-        k = merge(kf, ki, b.const_mask)
-
-        def step(carry, x):
-            c, y = b(k, merge(*carry, b.carry_mask), merge(*x, b.x_mask))
-            return split(c, b.carry_mask), split(y, b.y_mask)
-
-        (c_f, c_i), (y_f, y_i) = lax.scan(step, (cf, ci), (xf, xi), length=n, unroll=unroll)
-        return (c_f, y_f), (c_i, y_i)
-
-    (c_f, y_f), pullback, (c_i, y_i) = jax.vjp(segment, kf, cf, xf, has_aux=True)
-    return merge(c_f, c_i, b.carry_mask), merge(y_f, y_i, b.y_mask), pullback
-
-
-@jax.tree_util.register_pytree_node_class
-class _Kept:
-    """A stored piece's pullback as residuals: its leaves, less the closed-over arrays
-    it holds (the backward pass takes those from the loop's own, as `Body.restore`
-    does; a copy of each would be kept per piece)."""
-
-    def __init__(self, treedef, sources, stored):
-        self.treedef, self.sources, self.stored = treedef, sources, stored
-
-    @classmethod
-    def of(cls, pullback, consts) -> _Kept:
-        leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        sources = tuple(next((j for j, k in enumerate(consts) if l is k), None) for l in leaves)
-        return cls(treedef, sources, [l for l, j in zip(leaves, sources) if j is None])
-
-    def pullback(self, consts) -> Callable:
-        stored = iter(self.stored)
-        leaves = [next(stored) if j is None else consts[j] for j in self.sources]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
-
-    def tree_flatten(self):
-        return self.stored, (self.treedef, self.sources)
-
-    @classmethod
-    def tree_unflatten(cls, aux, stored):
-        return cls(*aux, list(stored))
-
-
-def forward(b: Body, plan: StaticPlan, consts, init, xs, *, unroll: int = 1):
-    """The forward pass: ``(carry, ys, saved)``, ``saved`` one entry per piece (a
-    pullback, or the stacked starts of its outer segments)."""
+def forward(b: Body, spec: ResidualSpec, plan: StaticPlan, consts, init, xs, *, unroll: int = 1):
+    """The forward pass: ``(carry, ys, saved)``, ``saved`` one entry per piece (the
+    stacked residuals of its steps, or the stacked starts of its outer segments)."""
     c, ys, saved, start = list(init), [], [], 0
     for levels in plan.pieces:
         n = math.prod(levels)
         if len(levels) == 1:
-            c, y, pullback = _segment_vjp(b, consts, c, _slice(xs, start, n), n, unroll)
-            saved.append(_Kept.of(pullback, consts))
+            c, y, stored = _stored_run(b, spec, consts, c, xs, start, n, unroll)
+            saved.append(stored)
         else:
             c, y, starts = _forward_starts(b, consts, c, xs, start, levels, unroll)
             saved.append(starts)
@@ -140,9 +93,14 @@ def _forward_starts(b: Body, consts, c, xs, start, levels, unroll: int):
     return c, [a.reshape(k * unit, *a.shape[2:]) for a in y], starts
 
 
-def backward(b: Body, plan: StaticPlan, consts, xs, saved, ct_c, ct_ys, *, unroll: int = 1):
+def backward(
+    b: Body, spec: ResidualSpec, plan: StaticPlan, consts, xs, saved, ct_c, ct_ys, *, unroll=1
+):
     """The backward pass: ``(ct_consts_f, ct_init_f, ct_xs_f)`` for the cotangents
-    ``ct_c`` (differentiated carry leaves) and ``ct_ys`` (differentiated ys, stacked)."""
+    ``ct_c`` (differentiated carry leaves) and ``ct_ys`` (differentiated ys, stacked).
+
+    The cotangents of the consts are accumulated in place, step by step, in the ones it
+    returns: no segment's are summed apart first."""
     kf, _ = split(consts, b.const_mask)
     xf, _ = split(xs, b.x_mask)
     state = (list(ct_c), [jnp.zeros_like(k) for k in kf], [jnp.zeros_like(x) for x in xf])
@@ -152,9 +110,11 @@ def backward(b: Body, plan: StaticPlan, consts, xs, saved, ct_c, ct_ys, *, unrol
     spare: list = []  # arrays of pieces already back-propagated, free to reuse
     for levels, start, kept in reversed(list(zip(plan.pieces, offsets, saved))):
         if len(levels) == 1:
-            state = _pull(kept.pullback(consts), state, start, levels[0], ct_ys)
+            state = _pull_steps(b, spec, consts, xs, ct_ys, kept, start, levels[0], state, unroll)
             continue
-        state = _backward_nest(b, consts, xs, ct_ys, levels, start, kept, state, unroll, spare)
+        state = _backward_nest(
+            b, spec, consts, xs, ct_ys, levels, start, kept, state, unroll, spare
+        )
         spare.extend(kept)
     ct_c, ct_k, ct_xs = state
     return ct_k, ct_c, ct_xs
@@ -172,16 +132,7 @@ def _at(stacked: Sequence, i) -> Leaves:
     return [lax.dynamic_index_in_dim(a, i, keepdims=False) for a in stacked]
 
 
-def _pull(pullback: Callable, state, start, n: int, ct_ys):
-    """Back-propagate ``n`` steps from ``start`` through their ``pullback``."""
-    ct_c, ct_k, ct_xs = state
-    d_k, d_c, d_x = pullback((ct_c, _slice(ct_ys, start, n)))
-    ct_k = [a + d for a, d in zip(ct_k, d_k)]
-    ct_xs = [lax.dynamic_update_slice_in_dim(a, d, start, 0) for a, d in zip(ct_xs, d_x)]
-    return list(d_c), ct_k, ct_xs
-
-
-def _backward_nest(b, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
+def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
     """Back-propagate a nest piece of ``levels`` from step ``start``: one loop over its
     innermost segments, last first.
 
@@ -229,8 +180,39 @@ def _backward_nest(b, consts, xs, ct_ys, levels, start, outer_starts, state, unr
             later = _at(buf, jnp.maximum(digits[d] - 1, 0))
             c = [jnp.where(digits[d] == 0, a, s) for a, s in zip(c, later)]
             pos = pos + digits[d] * units[d]
-        _, _, pullback = _segment_vjp(b, consts, c, _slice(xs, pos, inner), inner, unroll)
-        return (_pull(pullback, state, pos, inner, ct_ys), new_bufs), None
+        _, _, stored = _stored_run(b, spec, consts, c, xs, pos, inner, unroll)
+        state = _pull_steps(b, spec, consts, xs, ct_ys, stored, pos, inner, state, unroll)
+        return (state, new_bufs), None
 
     (state, _), _ = _counted(one, (state, bufs), math.prod(ks), reverse=True)
     return state
+
+
+def _stored_run(b: Body, spec: ResidualSpec, consts, c, xs, start, n: int, unroll: int):
+    """``n`` steps from ``c`` at step ``start`` keeping each step's stored residuals
+    (`Body.save`): ``(carry, ys, stored)``, ``ys`` and ``stored`` stacked."""
+
+    def step(state, _):
+        c, i = state
+        c, y, stored = b.save(spec, consts, c, _at(xs, i))
+        return (c, i + 1), (y, stored)
+
+    (c, _), (ys, stored) = lax.scan(step, (list(c), start), None, length=n, unroll=unroll)
+    return c, ys, stored
+
+
+def _pull_steps(b: Body, spec, consts, xs, ct_ys, stored, start, n: int, state, unroll: int):
+    """Back-propagate the ``n`` steps from ``start`` whose residuals are ``stored``, last
+    first, adding each step's cotangents of the consts into ``state``'s running ones."""
+    ct_c, ct_k, ct_xs = state
+
+    def step(carry, inputs):
+        ct_c, ct_k = carry
+        stored_i, x, ct_y = inputs
+        d_k, d_c, d_x = b.restore(spec, stored_i, consts, x)((ct_c, ct_y))
+        return (list(d_c), [a + d for a, d in zip(ct_k, d_k)]), d_x
+
+    inputs = (stored, _slice(xs, start, n), _slice(ct_ys, start, n))
+    (ct_c, ct_k), d_x = lax.scan(step, (ct_c, ct_k), inputs, length=n, reverse=True, unroll=unroll)
+    ct_xs = [lax.dynamic_update_slice_in_dim(a, d, start, 0) for a, d in zip(ct_xs, d_x)]
+    return ct_c, ct_k, ct_xs

@@ -22,7 +22,9 @@ and counts its evaluations and peak slots as it does any schedule's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,6 +49,8 @@ class StaticPlan:
             starts (the executor's loop state for it).
         whole_bytes: what a step of a piece stored whole keeps besides its internal state
             (its slice of ``xs``, which its pullback holds).
+        piece_bytes: what each nest beyond the first takes besides its stored starts
+            (its loops' state, and the buffers XLA cannot share with another nest's).
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -55,6 +59,7 @@ class StaticPlan:
     stream_bytes: int = 0
     level_bytes: int = 0
     whole_bytes: int = 0
+    piece_bytes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -71,8 +76,10 @@ class StaticPlan:
         c, r = self.carry_bytes, self.residual_bytes
         # A nest's backward runs with every earlier nest's stored starts held; the internal
         # states of pieces stored whole count as held throughout (XLA's buffer assignment
-        # was seen to keep them until the end of the backward pass).
+        # was seen to keep them until the end of the backward pass), as does the loop
+        # state of every nest beyond the first.
         held = sum(p[0] * (r + self.whole_bytes) for p in self.pieces if len(p) == 1)
+        held += max(0, sum(len(p) > 1 for p in self.pieces) - 1) * self.piece_bytes
         peak = held
         for p in self.pieces:
             if len(p) == 1:
@@ -88,6 +95,12 @@ class StaticPlan:
         """Iterations of the executor's loops, forward and backward (one per step or
         segment each loop visits): what a per-iteration overhead multiplies."""
         return sum(_piece_iterations(p) for p in self.pieces)
+
+    @property
+    def loop_starts(self) -> int:
+        """Loops the executor starts, forward and backward (each segment's ``lax.scan``s
+        among them): what a per-loop overhead multiplies."""
+        return sum(_piece_starts(p) for p in self.pieces)
 
     @property
     def depth(self) -> int:
@@ -133,6 +146,19 @@ def _segment_iterations(levels: tuple[int, ...]) -> int:
         return 2 * levels[0]  # the VJP's forward and backward loops
     sub = math.prod(levels[1:])
     return (levels[0] - 1) * (sub + 1) + levels[0] * (1 + _segment_iterations(levels[1:]))
+
+
+def _piece_starts(levels: tuple[int, ...]) -> int:
+    if len(levels) == 1:
+        return 2  # the VJP's forward and backward loops
+    *ks, _ = levels
+    innermost = math.prod(ks)
+    # Entering a segment of level d - 1 from its end runs its K_d - 1 sub-segments again.
+    refills = sum(math.prod(ks[:d]) * (ks[d] - 1) for d in range(1, len(ks)))
+    # Forward: the loop over outer segments and each one's; backward: the loop over the
+    # innermost segments, and in each the VJP's two loops and one refill loop per level
+    # below the outermost.
+    return 1 + ks[0] + 1 + innermost * (2 + len(ks) - 1) + refills
 
 
 def _nest_pieces(steps: int, inner: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -220,37 +246,96 @@ def plan_static(
     stream_bytes: int = 0,
     level_bytes: int = 0,
     whole_bytes: int = 0,
+    piece_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
+    seconds: Callable[[StaticPlan], float] | None = None,
 ) -> StaticPlan | None:
     """The static plan of fewest evaluations (then fewest loop iterations) whose stored
     states fit ``budget_bytes``, or None if none of up to ``max_depth`` levels fits;
-    with ``fewest_bytes``, the candidate of fewest bytes instead.
+    with ``seconds`` (a plan's predicted time), the fastest that fits; with
+    ``fewest_bytes``, the candidate of fewest bytes instead.
 
     Candidates: every step stored (BPTT); nests of 2 to ``max_depth`` levels balanced for
-    the bytes of a carry and of an internal state; and each nest followed by as many
-    steps stored whole as the budget allows (their internal states are freed before the
-    nest's backward pass begins, so they cost only beside the nest's outer starts).
+    the bytes of a carry and of an internal state, and two-level nests of segments
+    differing by one step at most (two nests where the length does not divide), the
+    longest that fit among them; each ending in its last innermost segment or its last
+    step kept by the forward pass; and each nest followed by as many steps stored whole
+    as the budget allows (their internal states are freed before the nest's backward
+    pass begins, so they cost only beside the nest's outer starts).
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
-    sizes = (c, r, s, int(level_bytes), int(whole_bytes))
+    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes))
     best: StaticPlan | None = None
 
     def key(p: StaticPlan):
-        return (p.peak_bytes, p.evaluations) if fewest_bytes else (p.evaluations, p.loop_iterations)
+        if fewest_bytes:
+            return (p.peak_bytes, p.evaluations)
+        if seconds is not None:
+            return (seconds(p), p.evaluations, p.loop_iterations)
+        return (p.evaluations, p.loop_iterations)
 
     def consider(p: StaticPlan | None) -> None:
         nonlocal best
         if p is not None and p.peak_bytes <= budget_bytes and (best is None or key(p) < key(best)):
             best = p
 
+    def consider_nest(pieces_of: Callable[[int], list[tuple[int, ...]]]) -> None:
+        consider(StaticPlan(tuple(_fuse_last(pieces_of(num_steps))), *sizes))
+        consider(StaticPlan(tuple(_keep_last_step(pieces_of(num_steps - 1))), *sizes))
+
     consider(StaticPlan(((num_steps,),), *sizes))
     for depth in range(2, max_depth + 1):
         for inner in _candidates(num_steps, depth, c, r + s):
-            consider(StaticPlan(tuple(_fuse_last(_nest_pieces(num_steps, inner))), *sizes))
+            consider_nest(functools.partial(_nest_pieces, inner=inner))
+            if depth == 2:
+                consider_nest(functools.partial(_even_pieces, length=inner[0]))
             if not fewest_bytes:
                 consider(_with_suffix(num_steps, inner, budget_bytes, sizes))
+    if not fewest_bytes:
+        length = _longest_even(num_steps, budget_bytes, sizes)
+        consider_nest(functools.partial(_even_pieces, length=length))
     return best
+
+
+def _keep_last_step(pieces: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """``pieces`` followed by one more step stored whole: the forward pass keeps the last
+    step's internal state (a nest's last segment runs again in the backward pass)."""
+    if pieces and len(pieces[-1]) == 1:
+        return [*pieces[:-1], (pieces[-1][0] + 1,)]
+    return [*pieces, (1,)]
+
+
+def _even_pieces(num_steps: int, length: int) -> list[tuple[int, ...]]:
+    """``num_steps`` steps as the fewest segments of at most ``length`` steps, their
+    lengths differing by one at most: two nests of two levels (one where they divide)."""
+    if num_steps < 1:
+        return []
+    count = -(-num_steps // max(1, min(length, num_steps)))
+    short, longer = divmod(num_steps, count)
+    pieces = [(longer, short + 1), (count - longer, short)]
+    return [_drop_ones(p) for p in pieces if p[0] and p[1]]
+
+
+def _longest_even(num_steps: int, budget: float, sizes) -> int:
+    """The longest segments whose `_even_pieces`, the last step kept, fit ``budget`` (the
+    fewest segments, so the fewest loops), searched above the length of fewest bytes."""
+
+    def fits(length: int) -> bool:
+        pieces = _keep_last_step(_even_pieces(num_steps - 1, length))
+        return StaticPlan(tuple(pieces), *sizes).peak_bytes <= budget
+
+    c, r, s = sizes[:3]
+    lo, hi = max(1, min(num_steps, math.isqrt(num_steps * c // max(r + s, 1)))), num_steps
+    if not fits(lo):
+        return lo
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _with_suffix(num_steps: int, inner: tuple[int, ...], budget: float, sizes):

@@ -28,15 +28,20 @@ class LoopCosts:
         op: per operation of the step (a kernel launch or a dispatch).
         iteration: per loop iteration, by executor (``"static"``, ``"rows"``,
             ``"recursion"``), beyond the step it runs.
+        start: per loop the static executor starts (a segment's ``lax.scan``: its
+            buffers set up, its first and last iterations), beyond its iterations.
     """
 
     flop: float
     byte: float
     op: float
     iteration: dict
+    start: float
 
 
 # CPU: a 4-float cell's gradient per evaluation on each executor (benchmarks/pareto.py).
+# The static executor's loop start: on CPU, the time a nest of 10^4 steps of that cell
+# adds per outer segment, over the three loops a segment starts.
 # GPU: a loop iteration is a launch and a predicate read back, several microseconds.
 _COSTS = {
     "cpu": LoopCosts(
@@ -44,12 +49,14 @@ _COSTS = {
         byte=1.0e-10,
         op=2.0e-8,
         iteration={"static": 2.0e-8, "rows": 1.5e-6, "recursion": 1.0e-6},
+        start=5.0e-7,
     ),
     "gpu": LoopCosts(
         flop=1.0e-13,
         byte=3.0e-12,
         op=3.0e-6,
         iteration={"static": 5.0e-6, "rows": 5.0e-5, "recursion": 4.0e-5},
+        start=1.0e-5,
     ),
 }
 
@@ -68,9 +75,17 @@ def step_seconds(flops: float, bytes_accessed: float, ops: int, backend: str) ->
 
 
 def loop_seconds(
-    evaluations: float, iterations: float, executor: str, *, step: float, backend: str
+    evaluations: float,
+    iterations: float,
+    executor: str,
+    *,
+    step: float,
+    backend: str,
+    starts: float = 0,
 ) -> float:
     """Predicted seconds of a plan: ``evaluations`` forward evaluations of a step of
-    ``step`` seconds (its backward counted as two more, for every plan alike), and
-    ``iterations`` loop iterations of ``executor``."""
-    return evaluations * step + iterations * loop_costs(backend).iteration[executor]
+    ``step`` seconds (its backward counted as two more, for every plan alike),
+    ``iterations`` loop iterations of ``executor`` and, for the static executor, the
+    ``starts`` of its loops."""
+    c = loop_costs(backend)
+    return evaluations * step + iterations * c.iteration[executor] + starts * c.start
