@@ -44,10 +44,13 @@ def test_fwdrev_grad_over_a_budgeted_scan(memory, policy):
     assert_close(jax.jit(jax.grad(meta), static_argnums=1)(0.8, memory), jax.grad(meta)(0.8, None))
 
 
-def test_revfwd_over_a_budgeted_scan_is_a_clear_error():
-    g = memento.fwdrev_grad(functools.partial(inner_loss, memory=2), mode="revfwd")
-    with pytest.raises(TypeError, match=r"mode='revfwd'.*Use mode='fwdrev'"):
-        jax.grad(lambda eta: jnp.sum(g(jnp.eye(3), eta, XS)))(0.8)
+@pytest.mark.parametrize("mode", ["revfwd", "revrev"])
+def test_every_mode_over_a_budgeted_scan(mode):
+    def meta(eta, memory):
+        g = memento.fwdrev_grad(functools.partial(inner_loss, memory=memory), mode=mode)
+        return jnp.sum(g(jnp.eye(3) * 0.5, eta, XS) ** 2)
+
+    assert_close(jax.grad(meta)(0.8, 2), jax.grad(meta)(0.8, None))
 
 
 @pytest.mark.parametrize("memory", [2, "1KiB"])

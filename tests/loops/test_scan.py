@@ -261,15 +261,21 @@ def test_vjp_and_nested_scan():
     assert_trees_close(pull(ct), pull2(ct))
 
 
-def test_jvp_raises_clearly():
+@pytest.mark.parametrize("memory", [2, "2KiB"])
+def test_jvp_and_grad_of_grad_equal_lax_scan(memory):
     w, h0, xs = rnn_params()
-    with pytest.raises(
-        TypeError,
-        match=r"forward-mode differentiation.*For forward mode use memory=None \(lax.scan\)",
+
+    def ours(w, h0):
+        return rnn_loss(budgeted(memory=memory), w, h0, xs)
+
+    def ref(w, h0):
+        return rnn_loss(lax.scan, w, h0, xs)
+
+    for d in (
+        lambda f: jax.jvp(f, (w, h0), (jnp.cos(w), jnp.sin(h0))),
+        lambda f: jax.grad(lambda h: jnp.sum(jax.grad(f, (0, 1))(w, h)[0] ** 2))(h0),
     ):
-        jax.jvp(lambda w: rnn_loss(budgeted(memory=2), w, h0, xs), (w,), (w,))
-    # memory=None is lax.scan, which supports forward mode.
-    jax.jvp(lambda w: rnn_loss(budgeted(memory=None), w, h0, xs), (w,), (w,))
+        assert_trees_close(jax.jit(d, static_argnums=0)(ours), d(ref))
 
 
 # The counting cell's callbacks run inside the backward loop's fused steps. XLA in

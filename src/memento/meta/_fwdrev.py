@@ -261,8 +261,8 @@ def _second_order(value, flat, a_idx, p_idx, u, mode):
             raise
         raise TypeError(
             "memento.fwdrev_grad: mode='revfwd' differentiates the loss forward, then in "
-            "reverse, and the loss contains a custom_vjp (a memento.scan or "
-            "memento.while_loop with a memory budget, say) that forward mode cannot "
+            "reverse, and the loss contains a custom_vjp (a memento.while_loop or "
+            "memento.chain with a memory budget, say) that forward mode cannot "
             "enter. Use mode='fwdrev' (forward over reverse, exact through budgeted "
             "loops) or mode='revrev'."
         ) from e
