@@ -110,14 +110,12 @@ def scan(
         ValueError: a budget below the smallest workable plan (the message names it),
             an unknown policy or executor, inconsistent lengths, bad ``host_memory``.
         TypeError: a body that changes the carry's structure, shapes or dtypes; a bad
-            ``memory``; forward mode of a budgeted loop (see below).
-        NotImplementedError: reverse over reverse of a budgeted loop.
+            ``memory``.
 
-    Transformations: ``jit``, ``grad``/``vjp``, ``vmap``, nesting, ``jax.checkpoint``,
-    every dtype. Second order by forward over reverse (``jax.hessian``,
-    ``jax.jvp(jax.grad(f))``) is exact. With a budget, ``jvp``/``jacfwd`` of the loop
-    raise a ``TypeError`` and ``grad(grad(f))`` a ``NotImplementedError``; ``memory=None``
-    supports both.
+    Transformations: ``jit``, ``grad``/``vjp``, ``jvp``/``jacfwd``/``linearize``,
+    ``vmap``, nesting, ``jax.checkpoint``, every dtype; derivatives of any order in any
+    mode (``jax.hessian``, ``grad(grad(f))``). Each derivative beyond the first runs the
+    loop of the step's JVP within the same ``memory``.
 
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
