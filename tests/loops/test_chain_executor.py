@@ -292,17 +292,28 @@ def test_second_order():
 
     assert_trees_close(hvp(memento.bytes_budget(2000)), hvp(None))
 
-    def gg(memory):  # reverse over reverse: the backward pass is plain operations
+    def gg(memory):  # reverse over reverse: the chain of the layers' JVPs, budgeted
         inner = lambda x: jnp.sum(jax.grad(loss, argnums=1)(params, x, memory) ** 2)
         return jax.jit(jax.grad(inner))(X0)
 
     assert_trees_close(gg(memento.bytes_budget(2000)), gg(None))
 
 
-def test_forward_mode_raises():
+def test_forward_mode_and_reverse_over_forward():
     params = make_params()
-    with pytest.raises(TypeError, match=r"memento\.chain: forward-mode differentiation"):
-        jax.jvp(lambda x: loss(params, x, 2), (X0,), (X0,))
+    v = jnp.cos(X0)
+
+    def derivatives(memory):
+        f = lambda x: loss(params, x, memory)
+        return jax.jit(
+            lambda x: [
+                jax.jvp(f, (x,), (v,)),
+                jax.jacfwd(f)(x),
+                jax.grad(lambda x: jax.jvp(f, (x,), (v,))[1])(x),
+            ]
+        )(X0)
+
+    assert_trees_close(derivatives(2), derivatives(None))
 
 
 def test_mixed_dtypes_and_integer_leaves():

@@ -45,10 +45,9 @@ as the plan says, in the plan's order (tested by counting instructions in the co
 program).
 
 Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (the plan is made for one batch
-member and shared), forward over reverse (``jax.hessian``, ``jvp`` of ``grad``) and, unlike
-`memento.scan` whose backward pass is a while loop, reverse over reverse (``grad`` of
-``grad``): the backward pass here is plain operations. Forward mode of the chain itself
-(``jvp``, ``jacfwd``) raises a ``TypeError``, as `memento.scan`.
+member and shared), and forward mode and derivatives of any order through `_linear`: the
+chain's tangent map is the composition's JVP, its transpose the replayed schedule, and a
+second derivative the chain of the layers' JVPs, planned within the same budget.
 
 Limitations:
 
@@ -66,6 +65,7 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -77,16 +77,9 @@ from jax.extend import core as jex_core
 
 from ..planning import Op, Schedule, walk
 from ..planning.internals import INITIAL, ChainPlan, ChainPolicy, check_layers, plan_layers
-from ._body import (
-    Body,
-    Static,
-    call_reverse_mode_only,
-    instantiate,
-    make_body,
-    merge,
-    nbytes,
-)
+from ._body import Body, is_float, make_body, merge, nbytes, no_tangent_if_int
 from ._budget import Bytes, Percent
+from ._linear import Loop, differentiable
 
 __all__ = ["ChainPlan", "chain", "chain_plan", "scan_layers"]
 
@@ -301,51 +294,91 @@ class _Replay:
                 del self.internal[arg]
 
 
-def _differentiable(bodies: list[Body], budget: int | Bytes | Percent, policy: ChainPolicy):
-    """The chain as a ``custom_vjp`` function of (per-layer parameters, x leaves)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChainLoop(Loop):
+    """The chain as `_linear` differentiates it: flat arguments (every layer's parameters,
+    then x's leaves), outputs the last layer's. ``again`` is `chain` with this chain's
+    memory and policy, for the chain of the layers' JVPs."""
 
-    @jax.custom_vjp
-    def run(consts, x):
-        for b, k in zip(bodies, consts):
+    bodies: tuple[Body, ...]
+    budget: Any
+    policy: ChainPolicy
+    again: Callable
+
+    def _parts(self, leaves) -> tuple[list[list], list]:
+        consts, start = [], 0
+        for b in self.bodies:
+            consts.append(list(leaves[start : start + len(b.consts)]))
+            start += len(b.consts)
+        return consts, list(leaves[start:])
+
+    def _restricted(self, perturbed) -> list[Body]:
+        # Only what is perturbed, or depends on it, is differentiated, so the residuals
+        # measured and stored are those of the inputs differentiated.
+        consts, x = self._parts(perturbed)
+        restricted = []
+        for b, k in zip(self.bodies, consts):
+            b = b.restrict(k, [], x)
+            restricted.append(b)
+            x = list(b.y_mask)
+        return restricted
+
+    def primal(self, args):
+        consts, x = self._parts(args)
+        for b, k in zip(self.bodies, consts):
             x = b(k, [], x)[1]
         return x
 
-    def fwd(consts, x):
-        # symbolic_zeros: only what is perturbed, or depends on it, is differentiated,
-        # so the residuals measured and stored are those of the inputs differentiated.
-        perturbed = [a.perturbed for a in x]
-        restricted = []
-        for b, k in zip(bodies, consts):
-            b = b.restrict([a.perturbed for a in k], [], perturbed)
-            restricted.append(b)
-            perturbed = list(b.y_mask)
-        plan = _plan(restricted, budget, policy)
-        specs = [b.residual_spec() for b in restricted]
-        consts = [[a.value for a in k] for k in consts]
-        x = [a.value for a in x]
-        m = _Replay(restricted, specs, consts, x)
-        m.run(plan.schedule, sweep=True)
-        out = m.cur
-        saved = (consts, x, m.hidden, m.internal, m.working)
-        return out, (saved, Static((restricted, specs, plan.schedule)))
+    def prepare(self, perturbed):
+        restricted = self._restricted(perturbed)
+        plan = _plan(restricted, self.budget, self.policy)
+        return restricted, [b.residual_spec() for b in restricted], plan.schedule
 
-    def bwd(res, ct_out):
-        (consts, x, hidden, internal, working), static = res
-        restricted, specs, schedule = static.value
-        m = _Replay(restricted, specs, consts, x)
-        m.hidden, m.internal, m.working = dict(hidden), dict(internal), working
-        m.ct = instantiate(ct_out, restricted[-1].y_avals, restricted[-1].y_mask)
+    def forward(self, plan, args):
+        restricted, specs, schedule = plan
+        m = _Replay(restricted, specs, *self._parts(args))
+        m.run(schedule, sweep=True)
+        return m.cur, (m.hidden, m.internal, m.working)
+
+    def backward(self, plan, args, cache, cts):
+        restricted, specs, schedule = plan
+        m = _Replay(restricted, specs, *self._parts(args))
+        m.hidden, m.internal, m.working = dict(cache[0]), dict(cache[1]), cache[2]
+        last = restricted[-1]
+        m.ct = [ct for ct, (_, keep) in zip(cts, _float_mask(last)) if keep]
         m.run(schedule, sweep=False)
-        ct_consts = [
-            merge(ct or [], [None] * (len(k) - sum(b.const_mask)), b.const_mask)
-            for ct, k, b in zip(m.ct_consts, consts, restricted)
-        ]
-        b0 = restricted[0]
-        ct_x = merge(m.ct, [None] * (len(x) - len(m.ct)), b0.x_mask)
-        return ct_consts, ct_x
+        return [c for ct in m.ct_consts for c in (ct or [])] + list(m.ct)
 
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run
+    def tangent_loop(self, args, tangents, mask):
+        consts, x = self._parts(args)
+        restricted = self._restricted(mask)
+        k_mask, x_mask = self._parts(mask)
+        tangents = iter(tangents)
+        tk = [[next(tangents) for m in km if m] for km in k_mask]
+        tx = [next(tangents) for m in x_mask if m]
+
+        def layer(b: Body, k, t):
+            def f(state):
+                h, th = state
+                g, kf, _, xf = b._diff_fn(k, [], h)
+                (_, y_f), (_, ty), (_, y_i) = jax.jvp(g, (kf, [], xf), (t, [], th), has_aux=True)
+                return merge(y_f, y_i, b.y_mask), ty
+
+            return f
+
+        fns = [layer(b, k, t) for b, k, t in zip(restricted, consts, tk)]
+        y, ty = self.again(fns, (x, tx))
+        ty, last = iter(ty), restricted[-1]
+        touts = [
+            next(ty) if keep else jnp.zeros_like(o)
+            for o, (_, keep) in zip([o for o in y if is_float(o)], _float_mask(last))
+        ]
+        return y, touts
+
+
+def _float_mask(b: Body) -> list:
+    """``(aval, differentiated)`` of each float output of layer ``b``."""
+    return [(a, m) for a, m in zip(b.y_avals, b.y_mask) if is_float(a)]
 
 
 def chain(
@@ -393,13 +426,12 @@ def chain(
             names the minimum); an unknown policy; a chain so long that planning it would
             take minutes.
         TypeError: ``fns`` not a sequence of callables; a bad ``memory``; a layer that
-            fails on its input; forward-mode differentiation (see below).
+            fails on its input.
 
-    Transformations: ``jit``, ``grad``/``vjp``, ``vmap``, and second order by forward over
-    reverse (``jax.hessian``, ``jax.jvp(jax.grad(f))``) and by reverse over reverse
-    (``jax.grad(jax.grad(f))``): the backward pass is plain JAX operations. Forward mode
-    of the chain itself (``jax.jvp``, ``jax.jacfwd``, reverse over forward) raises a
-    ``TypeError``: the gradient is a custom reverse-mode rule; ``memory=None`` supports it.
+    Transformations: ``jit``, ``grad``/``vjp``, ``jvp``/``jacfwd``/``linearize``,
+    ``vmap``, and derivatives of any order in any mode (``jax.hessian``,
+    ``jax.grad(jax.grad(f))``): each derivative beyond the first runs the chain of the
+    layers' JVPs within the same ``memory``.
 
     Measurement and planning happen when the gradient is traced (see the module
     docstring): a layer's cost is XLA's flop count, its sizes are measured from its VJP.
@@ -416,13 +448,9 @@ def chain(
         return functools.reduce(lambda h, f: f(h), fns, x)
     bodies = _layers(fns, x)
     x_leaves = [jnp.asarray(l) for l in jax.tree_util.tree_leaves(x)]
-    run = _differentiable(bodies, budget, policy)
-    out = call_reverse_mode_only(
-        run,
-        ([b.consts for b in bodies], x_leaves),
-        name=_NAME,
-        instead="memory=None (plain composition)",
-    )
+    again = functools.partial(chain, memory=memory, policy=policy)
+    loop = _ChainLoop(tuple(bodies), budget, policy, again)
+    out = no_tangent_if_int(differentiable(loop)(*(k for b in bodies for k in b.consts), *x_leaves))
     return jax.tree_util.tree_unflatten(bodies[-1].y_tree, out)
 
 
