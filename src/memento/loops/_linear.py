@@ -266,6 +266,17 @@ def _avals(leaves, mask=None) -> tuple:
     return tuple(jax.typeof(x).to_tangent_aval() for x, m in zip(leaves, mask) if m)
 
 
+def _over(mask: Sequence[bool], args: Sequence, f: Callable) -> tuple[Callable, Leaves]:
+    """``f(args)`` as a function of the leaves ``mask`` picks (the others fixed), and
+    those leaves."""
+    fixed = [a for a, m in zip(args, mask) if not m]
+
+    def of_moving(*moving):
+        return f(merge(list(moving), fixed, mask))
+
+    return of_moving, [a for a, m in zip(args, mask) if m]
+
+
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Tangent(LinearOp):
     """``t -> J(a) t``: res ``(a, cache)``, lin the tangents of the perturbed leaves, out
@@ -284,31 +295,23 @@ class Tangent(LinearOp):
         return self.num_args + self.cache_tree.num_leaves
 
     def apply(self, res, lin):
-        args = list(res[: self.num_args])
-        fixed = [a for a, m in zip(args, self.mask) if not m]
+        def floats(args):
+            return [o for o in self.loop.primal(args) if is_float(o)]
 
-        def f(*moving):
-            outs = self.loop.primal(merge(list(moving), fixed, self.mask))
-            return [o for o in outs if is_float(o)]
-
-        moving = [a for a, m in zip(args, self.mask) if m]
+        f, moving = _over(self.mask, res[: self.num_args], floats)
         return jax.jvp(f, moving, list(lin))[1]
 
     def transposed(self):
         return Adjoint(self)
 
     def jvp_res(self, res, dres, lin):
-        args, dargs = list(res[: self.num_args]), dres[: self.num_args]
-        moving = tuple(d is not None for d in dargs)
-        fixed = [a for a, m in zip(args, moving) if not m]
+        dargs = dres[: self.num_args]
 
-        def touts(*moved):  # D²F(a)[t, da]: t fixed, the derivative in da
-            return self.loop.tangent_loop(merge(list(moved), fixed, moving), list(lin), self.mask)[
-                1
-            ]
+        def touts(args):  # D²F(a)[t, da]: t fixed, the derivative in da
+            return self.loop.tangent_loop(args, list(lin), self.mask)[1]
 
-        moved = [a for a, m in zip(args, moving) if m]
-        return jax.jvp(touts, moved, [d for d in dargs if d is not None])[1]
+        f, moved = _over([d is not None for d in dargs], res[: self.num_args], touts)
+        return jax.jvp(f, moved, [d for d in dargs if d is not None])[1]
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -366,15 +369,11 @@ class SecondAdjoint(LinearOp):
         return self.num_args + self.num_cts
 
     def apply(self, res, lin):
-        args, ct = list(res[: self.num_args]), list(res[self.num_args :])
-        fixed = [a for a, m in zip(args, self.out_mask) if not m]
+        def touts(args):  # d/da [ct . J(a) t] = H_ct(a) t, t = lin
+            return self.loop.tangent_loop(args, list(lin), self.in_mask)[1]
 
-        def touts(*moving):  # d/da [ct . J(a) t] = H_ct(a) t, t = lin
-            merged = merge(list(moving), fixed, self.out_mask)
-            return self.loop.tangent_loop(merged, list(lin), self.in_mask)[1]
-
-        moving = [a for a, m in zip(args, self.out_mask) if m]
-        return list(jax.vjp(touts, *moving)[1](ct))
+        f, moving = _over(self.out_mask, res[: self.num_args], touts)
+        return list(jax.vjp(f, *moving)[1](list(res[self.num_args :])))
 
     def transposed(self):
         return dataclasses.replace(
