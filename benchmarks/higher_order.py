@@ -18,6 +18,7 @@ derivative. Every derivative is checked against ``lax.scan``'s before it is time
 
 Run:  PYTHONPATH=src python benchmarks/higher_order.py [--steps 4000] [--hidden 64]
       [--rounds 5] [--out benchmarks/results/higher_order.json]
+      (writes the JSON and, beside it, the Markdown tables: higher_order.md)
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
         "nested sqrt(T)": nested,
         "memento": lambda f, i, x: memento.scan(f, i, x, memory=f"{budget}B"),
     }
-    rows = {}
+    rows, lines = {}, []
     for what in ("grad", "grad_grad", "hvp", "jacfwd"):
         compiled = {
             m: _common.compile_fn(derivatives(s, xs)[what], w, h0) for m, s in methods.items()
@@ -108,14 +109,18 @@ def main(argv=None) -> None:
             }
             for m, c in compiled.items()
         }
-        print(f"\n{what} (T={a.steps}, hidden {n}; memento memory={budget}B)")
-        print("| method | temp | temp / lax.scan | time | time / lax.scan |")
-        print("| --- | --- | --- | --- | --- |")
-        for m, r in rows[what].items():
-            print(
+        lines += [
+            f"\n#### {what} (T = {a.steps}, hidden {n}; memento at memory={budget}B)\n",
+            "| method | temp | temp / lax.scan | time | time / lax.scan |",
+            "| --- | --- | --- | --- | --- |",
+            *(
                 f"| {m} | {r['temp_bytes'] / 1024:.0f} KiB | {r['temp_vs_lax_scan']:.3f}x | "
                 f"{r['seconds'] * 1e3:.1f} ms | {r['time_vs_lax_scan']:.2f}x |"
-            )
+                for m, r in rows[what].items()
+            ),
+        ]
+    print("\n".join(lines))
+    Path(a.out).with_suffix(".md").write_text("\n".join(lines).lstrip() + "\n")
     _common.write_json(
         a.out,
         {

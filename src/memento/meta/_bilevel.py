@@ -72,8 +72,9 @@ def inner_loop(
     (loss weighting), through a callable `optimizer` (learned learning rates), and
     through `params` when the caller builds them from `eta` (MAML: ``params=eta``).
 
-    Transformations: ``jit``, ``grad``/``vjp`` and ``vmap`` (e.g. over tasks). Not
-    forward mode in modes ``"fwdrev"``/``"revfwd"`` or with `memory` (custom VJPs).
+    Transformations: ``jit``, ``grad``/``vjp`` and ``vmap`` (e.g. over tasks); forward
+    mode in mode ``"revrev"``, with or without `memory`. Not forward mode in modes
+    ``"fwdrev"``/``"revfwd"`` (custom VJPs).
 
     Args:
         inner_loss: ``L(params, eta, batch) -> scalar``, twice differentiable.
