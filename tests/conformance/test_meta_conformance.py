@@ -53,6 +53,22 @@ def test_every_mode_over_a_budgeted_scan(mode):
     assert_close(jax.grad(meta)(0.8, 2), jax.grad(meta)(0.8, None))
 
 
+def test_forward_mode_of_a_budgeted_inner_loop_in_mode_revrev():
+    params = {"w": jnp.asarray(rng.normal(size=(3,)))}
+    batches = jnp.asarray(rng.normal(size=(6, 4, 3)))
+
+    def loss(p, eta, batch):
+        return eta * jnp.mean((batch @ p["w"] - 1.0) ** 2) + jnp.sum(p["w"] ** 2) * 0.01
+
+    def meta(eta, memory):
+        opt = lambda eta: optax.sgd(0.1 * eta)
+        out = memento.meta.inner_loop(loss, opt, params, eta, batches, memory=memory, mode="revrev")
+        return jnp.sum(out["w"] ** 2)
+
+    want = jax.jvp(lambda e: meta(e, None), (0.3,), (1.0,))
+    assert_close(jax.jvp(lambda e: meta(e, 2), (0.3,), (1.0,)), want)
+
+
 @pytest.mark.parametrize("memory", [2, "1KiB"])
 def test_inner_loop_with_a_python_float_eta(memory):
     params = {"w": jnp.asarray(rng.normal(size=(3,)))}
