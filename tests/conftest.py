@@ -135,3 +135,39 @@ def x64():
 
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def expanded_jaxpr():
+    """``expanded_jaxpr(f, *args)``: the text of ``jax.make_jaxpr(f)(*args)`` followed by
+    the programs of memento's linear loop primitive (the tangent map, the backward pass,
+    ...) wherever it appears, as they are lowered."""
+    import jax
+
+    def subjaxprs(value):
+        if hasattr(value, "eqns"):
+            yield value
+        elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+            yield value.jaxpr
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                yield from subjaxprs(v)
+
+    def linear_eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "memento_loop_linear":
+                yield eqn
+            for sub in subjaxprs(list(eqn.params.values())):
+                yield from linear_eqns(sub)
+
+    def text(jaxpr) -> str:
+        parts = [str(jaxpr)]
+        for eqn in linear_eqns(jaxpr):
+            op = eqn.params["op"]
+            inner = jax.make_jaxpr(
+                lambda *a, op=op: op.apply(list(a[: op.num_res]), list(a[op.num_res :]))
+            )(*[v.aval for v in eqn.invars])
+            parts.append(text(inner.jaxpr))
+        return "\n".join(parts)
+
+    return lambda f, *args: text(jax.make_jaxpr(f)(*args).jaxpr)

@@ -203,6 +203,8 @@ def test_memento_scan_equals_lax_scan(case):
         if executor == "rows" and "executor='rows' cannot run" in str(e):
             assert "its smallest takes" in str(e), e  # a byte budget below its rows
             return
+        if case["second_order"] and "cannot hold even one carry" in str(e):
+            return  # the loop of the step's JVP keeps a carry and its tangent per slot
         assert policy == "ism", e  # ISM below one internal state
         assert "needs room for one internal state" in str(e), e
         return

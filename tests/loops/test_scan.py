@@ -362,7 +362,7 @@ _lax_unrolled_grad = functools.cache(
     "executor,policy,unroll",
     [(e, p, u) for u in (3, True) for e, p in _EXECUTORS] + [("rows", "hsm", 2)],
 )
-def test_unroll_equals_lax_scan_and_unrolls_recomputation(executor, policy, unroll):
+def test_unroll_equals_lax_scan_and_unrolls_recomputation(executor, policy, unroll, expanded_jaxpr):
     # unroll=k is lax.scan's in the first sweep, and the backward pass's recomputation
     # loops run k steps per iteration (GitHub issue 20): same gradients as lax.scan's.
     w, h0, xs = rnn_params(t=23)
@@ -373,7 +373,7 @@ def test_unroll_equals_lax_scan_and_unrolls_recomputation(executor, policy, unro
 
     def tanhs(k):
         scan = budgeted(memory=6, policy=policy, executor=executor, unroll=k)
-        return str(jax.make_jaxpr(GRAD(rnn_loss), static_argnums=0)(scan, w, h0, xs)).count("tanh")
+        return expanded_jaxpr(functools.partial(GRAD(rnn_loss), scan), w, h0, xs).count("tanh")
 
     # One recomputation loop: k steps per iteration, and a loop of single steps for the
     # rest; unroll=True is every step, 23.

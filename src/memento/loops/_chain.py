@@ -448,7 +448,7 @@ def chain(
         return functools.reduce(lambda h, f: f(h), fns, x)
     bodies = _layers(fns, x)
     x_leaves = [jnp.asarray(l) for l in jax.tree_util.tree_leaves(x)]
-    again = functools.partial(chain, memory=memory, policy=policy)
+    again = functools.partial(chain, memory=memory)  # the policy predicted best for it
     loop = _ChainLoop(tuple(bodies), budget, policy, again)
     out = no_tangent_if_int(differentiable(loop)(*(k for b in bodies for k in b.consts), *x_leaves))
     return jax.tree_util.tree_unflatten(bodies[-1].y_tree, out)

@@ -167,7 +167,9 @@ def _split(args, op: LinearOp):
 
 
 def _impl(*args, op: LinearOp):
-    return _apply_jit(*args, op=op)
+    # Op by op, as JAX runs a custom rule outside jit: XLA would fold ``0.0 + x`` to ``x``
+    # in an accumulator that starts at zero, and give ``-0.0`` where lax.scan gives 0.0.
+    return _apply(*args, op=op)
 
 
 def _apply(*args, op: LinearOp):
@@ -175,7 +177,6 @@ def _apply(*args, op: LinearOp):
     return list(op.apply(res, lin))
 
 
-_apply_jit = jax.jit(_apply, static_argnames="op")
 linear_p.def_impl(_impl)
 linear_p.def_abstract_eval(lambda *args, op: list(op.out_avals))
 mlir.register_lowering(linear_p, mlir.lower_fun(_apply, multiple_results=True))
@@ -204,34 +205,11 @@ def _linear_transpose(cts, *args, op: LinearOp):
             "memento: internal error: a loop's tangent map was transposed with respect to "
             "its residuals; please report it."
         )
-    cts = [
-        jax.numpy.zeros(a.shape, a.dtype) if type(c) is ad.Zero else c
-        for c, a in zip(cts, op.out_avals)
-    ]
-    transposed = op.transposed()
-    if all(_plain(x) for x in (*res, *cts)):
-        # No derivative of this backward pass will be taken: run it in place, so that
-        # the program shows it (``jax.make_jaxpr`` of a gradient).
-        lin_cts = transposed.apply(res, cts)
-    else:
-        lin_cts = transposed.bind(res, cts)
+    cts = [ad.instantiate_zeros(c) for c in cts]
+    lin_cts = op.transposed().bind(res, cts)
     return [None] * len(res) + [
         c if ad.is_undefined_primal(x) else None for c, x in zip(lin_cts, lin)
     ]
-
-
-try:  # the tracer of jit and make_jaxpr, which only stage what they see
-    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _Staging
-except ImportError:  # pragma: no cover - another JAX: always bind the primitive
-    _Staging = None
-
-
-def _plain(x) -> bool:
-    """Whether ``x`` is an array or a staging tracer: no transformation that would
-    differentiate or batch what is computed from it."""
-    if not isinstance(x, jax.core.Tracer):
-        return True
-    return _Staging is not None and type(x) is _Staging
 
 
 def _linear_batch(args, dims, *, op: LinearOp):
@@ -343,7 +321,7 @@ class Adjoint(LinearOp):
         args, dargs = list(res[: t.num_args]), dres[: t.num_args]
         moving = tuple(d is not None for d in dargs)
         if not any(moving):  # only the cache moved: it takes no tangent
-            return [jax.numpy.zeros(a.shape, a.dtype) for a in self.out_avals]
+            return [ad.instantiate_zeros(ad.Zero(a)) for a in self.out_avals]
         op = SecondAdjoint(
             t.loop, t.num_args, len(lin), t.mask, moving, _avals(args, moving), self.out_avals
         )

@@ -153,8 +153,6 @@ def scan(
         length=num_steps,
         unroll=unroll,
         memory=memory,
-        policy=policy,
-        executor=executor,
         host_memory=host_memory,
         transfer_cost=transfer_cost,
     )
@@ -789,7 +787,8 @@ class _ScanLoop(Loop):
 
     ``unroll`` is ``lax.scan``'s: the first sweep is a ``lax.scan`` with it, and the
     backward pass's recomputation loops run as many steps per iteration. ``again`` is
-    `scan` with this loop's memory, policy and executor, for the loop of the step's JVP.
+    `scan` with this loop's memory (and the policy and executor it predicts fastest: a
+    forced one may not fit that loop), for the loop of the step's JVP.
     """
 
     body: Body
