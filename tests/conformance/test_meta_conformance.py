@@ -53,33 +53,30 @@ def test_every_mode_over_a_budgeted_scan(mode):
     assert_close(jax.grad(meta)(0.8, 2), jax.grad(meta)(0.8, None))
 
 
-def test_forward_mode_of_a_budgeted_inner_loop_in_mode_revrev():
+def sgd_meta(steps: int, **kw):
+    """``meta(eta, memory)``: the squared norm of parameters after ``steps`` of SGD at
+    learning rate ``0.1 * eta`` on a weighted least-squares loss, by ``inner_loop``."""
     params = {"w": jnp.asarray(rng.normal(size=(3,)))}
-    batches = jnp.asarray(rng.normal(size=(6, 4, 3)))
+    batches = jnp.asarray(rng.normal(size=(steps, 4, 3)))
 
     def loss(p, eta, batch):
         return eta * jnp.mean((batch @ p["w"] - 1.0) ** 2) + jnp.sum(p["w"] ** 2) * 0.01
 
     def meta(eta, memory):
         opt = lambda eta: optax.sgd(0.1 * eta)
-        out = memento.meta.inner_loop(loss, opt, params, eta, batches, memory=memory, mode="revrev")
+        out = memento.meta.inner_loop(loss, opt, params, eta, batches, memory=memory, **kw)
         return jnp.sum(out["w"] ** 2)
 
+    return meta
+
+
+def test_forward_mode_of_a_budgeted_inner_loop_in_mode_revrev():
+    meta = sgd_meta(6, mode="revrev")
     want = jax.jvp(lambda e: meta(e, None), (0.3,), (1.0,))
     assert_close(jax.jvp(lambda e: meta(e, 2), (0.3,), (1.0,)), want)
 
 
 @pytest.mark.parametrize("memory", [2, "1KiB"])
 def test_inner_loop_with_a_python_float_eta(memory):
-    params = {"w": jnp.asarray(rng.normal(size=(3,)))}
-    batches = jnp.asarray(rng.normal(size=(5, 4, 3)))
-
-    def loss(p, eta, batch):
-        return eta * jnp.mean((batch @ p["w"] - 1.0) ** 2) + jnp.sum(p["w"] ** 2) * 0.01
-
-    def meta(eta, memory):
-        opt = lambda eta: optax.sgd(0.1 * eta)
-        out = memento.meta.inner_loop(loss, opt, params, eta, batches, memory=memory)
-        return jnp.sum(out["w"] ** 2)
-
+    meta = sgd_meta(5)
     assert_close(jax.grad(meta)(0.2, memory), jax.grad(meta)(0.2, None))

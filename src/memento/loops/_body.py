@@ -402,7 +402,7 @@ def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead:
     # JAX's symbolic zero, so under jax.grad a later primitive without a JVP rule (e.g.
     # Equinox's unvmap_max, in Diffrax's progress meters) fails on them. As lax.while_loop
     # and lax.scan do, give them no tangent at all.
-    return jax.tree_util.tree_map(lambda x: x if is_float(x) else _no_tangent(x), out)
+    return no_tangent_if_int(out)
 
 
 def no_tangent_if_int(out):
