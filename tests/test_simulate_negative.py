@@ -69,8 +69,8 @@ def test_valid():
 
 @pytest.mark.parametrize(
     "row",
-    [(A, 0, 0), (A, 1, 1), (A, 3, 0)],  # no steps; not from the current state; up to h_t
-    ids=["zero", "not-current", "past-last-step"],
+    [(A, 0, 0), (A, 1, 1), (A, 4, 0)],  # no steps; not from the current state; past h_t
+    ids=["zero", "not-current", "past-h_t"],
 )
 def test_advance(row):
     rejects(

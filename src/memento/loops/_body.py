@@ -62,6 +62,25 @@ def merge(yes: Sequence, no: Sequence, mask: Sequence[bool]) -> Leaves:
     return [next(yes_it) if m else next(no_it) for m in mask]
 
 
+def of_floats(avals: Sequence, mask: Sequence[bool], values: Sequence) -> Leaves:
+    """Of ``values``, one per float leaf of ``avals``, those of the leaves in ``mask``: the
+    cotangents a differentiated loop takes, from those of every float output."""
+    floats = [m for a, m in zip(avals, mask) if is_float(a)]
+    return [v for v, m in zip(values, floats, strict=True) if m]
+
+
+def to_floats(outs: Sequence, avals: Sequence, mask: Sequence[bool], values) -> Leaves:
+    """One value per float leaf of ``outs``: the next of ``values`` for the leaves in
+    ``mask``, zeros for the others (the tangents of every float output, from those a
+    differentiated loop returns)."""
+    values = iter(values)
+    return [
+        next(values) if m else jnp.zeros_like(o)
+        for o, a, m in zip(outs, avals, mask)
+        if is_float(a)
+    ]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ResidualSpec:
     """Where each leaf of a step's pullback comes from.

@@ -77,7 +77,7 @@ from jax.extend import core as jex_core
 
 from ..planning import Op, Schedule, walk
 from ..planning.internals import INITIAL, ChainPlan, ChainPolicy, check_layers, plan_layers
-from ._body import Body, is_float, make_body, merge, nbytes, no_tangent_if_int
+from ._body import Body, make_body, merge, nbytes, no_tangent_if_int, of_floats, to_floats
 from ._budget import Bytes, Percent
 from ._linear import Loop, differentiable
 
@@ -345,7 +345,7 @@ class _ChainLoop(Loop):
         m = _Replay(restricted, specs, *self._parts(args))
         m.hidden, m.internal, m.working = dict(cache[0]), dict(cache[1]), cache[2]
         last = restricted[-1]
-        m.ct = [ct for ct, (_, keep) in zip(cts, _float_mask(last)) if keep]
+        m.ct = of_floats(last.y_avals, last.y_mask, cts)
         m.run(schedule, sweep=False)
         return [c for ct in m.ct_consts for c in (ct or [])] + list(m.ct)
 
@@ -368,17 +368,9 @@ class _ChainLoop(Loop):
 
         fns = [layer(b, k, t) for b, k, t in zip(restricted, consts, tk)]
         y, ty = self.again(fns, (x, tx))
-        ty, last = iter(ty), restricted[-1]
-        touts = [
-            next(ty) if keep else jnp.zeros_like(o)
-            for o, (_, keep) in zip([o for o in y if is_float(o)], _float_mask(last))
-        ]
+        last = restricted[-1]
+        touts = to_floats(y, last.y_avals, last.y_mask, ty)
         return y, touts
-
-
-def _float_mask(b: Body) -> list:
-    """``(aval, differentiated)`` of each float output of layer ``b``."""
-    return [(a, m) for a, m in zip(b.y_avals, b.y_mask) if is_float(a)]
 
 
 def chain(

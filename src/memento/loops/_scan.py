@@ -31,9 +31,11 @@ from ._body import (
     merge,
     nbytes,
     no_tangent_if_int,
+    of_floats,
     platform,
     split,
     step_profile,
+    to_floats,
 )
 from ._budget import (
     Bytes,
@@ -630,8 +632,7 @@ def _recursion_slots(slots: int, budget, sizes: _Sizes) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Sizes:
     """Bytes the static planner counts for a body: a carry, a step's internal state, what
-    a step being back-propagated streams (its xs slice, its ys' cotangents and its xs'
-    cotangent), and the fixed working set of the backward pass (a step's VJP in flight,
+    a step being back-propagated streams (its slice of the ys' cotangents), and the fixed working set of the backward pass (a step's VJP in flight,
     the cotangent accumulators of the closed-over arrays, the loops' control state), and
     what each level beyond the second and each nest beyond the first adds. Of the fixed
     working set, ``accumulators`` are the closed-over arrays' cotangents, which the static
@@ -664,14 +665,15 @@ def _static_sizes(body: Body, spec) -> _Sizes:
     carry = nbytes(body.carry_avals)
     residual = nbytes(spec.stored)
     xs = nbytes(body.x_avals)
-    stream = xs + nbytes(split(body.y_avals, body.y_mask)[0])
-    stream += nbytes(split(body.x_avals, body.x_mask)[0])
+    # A segment back-propagated reads its xs and writes their cotangents in place; its
+    # ys' cotangents are sliced.
+    stream = nbytes(split(body.y_avals, body.y_mask)[0])
     consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
     # One step's VJP in flight (its internal state and carry, an x, its largest
     # intermediate) and the closed-over arrays' cotangents.
     working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
     # A level beyond the second: its starts' selection and the loop state around it.
-    level = 4 * carry + 2 * _CONTROL_BYTES
+    level = 4 * carry + _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
     piece = 4 * carry + _CONTROL_BYTES // 2
     return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts)
@@ -835,7 +837,9 @@ class _ScanLoop(Loop):
     def backward(self, plan, args, cache, cts):
         b, spec, prog, budget, returned = plan
         consts, init, xs = self._parts(args)
-        ct_c, ct_ys = self._differentiated(b, cts)
+        n = sum(map(is_float, b.carry_avals))
+        ct_c = of_floats(b.carry_avals, b.carry_mask, cts[:n])
+        ct_ys = of_floats(b.y_avals, b.y_mask, cts[n:])
         k = unroll_factor(self.unroll, self.num_steps)
         if isinstance(prog, StaticPlan):
             ct_k, ct_init, ct_xs = _static.backward(
@@ -851,21 +855,6 @@ class _ScanLoop(Loop):
             )
         ct_init = [c for c, m in zip(ct_init, returned) if m]
         return [*ct_k, *ct_init, *ct_xs]
-
-    def _differentiated(self, b: Body, cts) -> tuple[list, list]:
-        """The cotangents of the differentiated carry leaves and ys, from those of every
-        float output."""
-        cts = iter(cts)
-        out = []
-        for avals, mask in ((b.carry_avals, b.carry_mask), (b.y_avals, b.y_mask)):
-            picked = []
-            for a, m in zip(avals, mask):
-                if is_float(a):
-                    ct = next(cts)
-                    if m:
-                        picked.append(ct)
-            out.append(picked)
-        return out[0], out[1]
 
     def tangent_loop(self, args, tangents, mask):
         consts, init, xs = self._parts(args)
@@ -885,12 +874,6 @@ class _ScanLoop(Loop):
             return (merge(c_f, c_i, b.carry_mask), dc), (merge(y_f, y_i, b.y_mask), dy)
 
         (c, dc), (ys, dys) = self.again(step, (init, tc), (xs, tx))
-        touts, dc, dys = [], iter(dc), iter(dys)
-        for outs, avals, mask, tan in (
-            (c, b.carry_avals, b.carry_mask, dc),
-            (ys, b.y_avals, b.y_mask, dys),
-        ):
-            for o, a, m in zip(outs, avals, mask):
-                if is_float(a):
-                    touts.append(next(tan) if m else jnp.zeros_like(o))
+        touts = to_floats(c, b.carry_avals, b.carry_mask, dc)
+        touts += to_floats(ys, b.y_avals, b.y_mask, dys)
         return [*c, *ys], touts

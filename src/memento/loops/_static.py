@@ -29,11 +29,6 @@ from ._body import Body, ResidualSpec, split
 Leaves = list
 
 
-def _slice(xs: Sequence, start, n: int) -> Leaves:
-    """``x[start:start + n]`` of each leaf; ``start`` may be traced."""
-    return [lax.dynamic_slice_in_dim(x, start, n) for x in xs]
-
-
 def _run(b: Body, consts, c, xs, start, n: int, unroll: int):
     """``n`` primal steps from ``c`` at step ``start``: ``(carry, ys)``, as ``lax.scan``.
 
@@ -203,16 +198,25 @@ def _stored_run(b: Body, spec: ResidualSpec, consts, c, xs, start, n: int, unrol
 
 def _pull_steps(b: Body, spec, consts, xs, ct_ys, stored, start, n: int, state, unroll: int):
     """Back-propagate the ``n`` steps from ``start`` whose residuals are ``stored``, last
-    first, adding each step's cotangents of the consts into ``state``'s running ones."""
+    first, adding each step's cotangents of the consts into ``state``'s running ones.
+
+    Each step reads its slice of ``xs`` and writes its ``xs``' cotangent in place, in the
+    full arrays; the cotangents of the ``ys`` are sliced per segment (XLA may hold the full
+    ones as a broadcast, which a loop reading them would materialise)."""
     ct_c, ct_k, ct_xs = state
 
     def step(carry, inputs):
-        ct_c, ct_k = carry
-        stored_i, x, ct_y = inputs
-        d_k, d_c, d_x = b.restore(spec, stored_i, consts, x)((ct_c, ct_y))
-        return (list(d_c), [a + d for a, d in zip(ct_k, d_k)]), d_x
+        ct_c, ct_k, ct_xs, i = carry
+        stored_i, ct_y = inputs
+        i = i - 1
+        d_k, d_c, d_x = b.restore(spec, stored_i, consts, _at(xs, start + i))((ct_c, ct_y))
+        ct_k = [a + d for a, d in zip(ct_k, d_k)]
+        ct_xs = [lax.dynamic_update_index_in_dim(a, d, start + i, 0) for a, d in zip(ct_xs, d_x)]
+        return (list(d_c), ct_k, ct_xs, i), None
 
-    inputs = (stored, _slice(xs, start, n), _slice(ct_ys, start, n))
-    (ct_c, ct_k), d_x = lax.scan(step, (ct_c, ct_k), inputs, length=n, reverse=True, unroll=unroll)
-    ct_xs = [lax.dynamic_update_slice_in_dim(a, d, start, 0) for a, d in zip(ct_xs, d_x)]
+    ct_y = [lax.dynamic_slice_in_dim(a, start, n) for a in ct_ys]
+    carry = (ct_c, ct_k, ct_xs, jnp.int32(n))
+    (ct_c, ct_k, ct_xs, _), _ = lax.scan(
+        step, carry, (stored, ct_y), length=n, reverse=True, unroll=unroll
+    )
     return ct_c, ct_k, ct_xs

@@ -32,6 +32,8 @@ from ._schedule import INITIAL, Op, Schedule
 
 __all__ = ["StaticPlan", "nest_schedule", "plan_static", "static_plan"]
 
+SIMPLER = 0.03  # a plan of fewer loops is preferred within this share of the fastest time
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticPlan:
@@ -43,10 +45,9 @@ class StaticPlan:
         carry_bytes, residual_bytes: what one stored carry and one step's internal
             state take.
         stream_bytes: what a step of a segment being back-propagated takes besides its
-            internal state: its slices of ``xs`` and of the outputs' cotangents, and the
-            cotangent of its ``xs``.
+            internal state: its slice of the outputs' cotangents.
         level_bytes: what each level of a nest beyond the second takes besides its stored
-            starts (the executor's loop state for it).
+            starts and a second copy of them (the executor's loop state for it).
         whole_bytes: what a step of a piece stored whole keeps besides its internal state
             (its slice of ``xs``, which its pullback holds).
         piece_bytes: what each nest beyond the first takes besides its stored starts
@@ -74,20 +75,24 @@ class StaticPlan:
     def peak_bytes(self) -> int:
         """Most bytes of stored carries and internal states live at once."""
         c, r = self.carry_bytes, self.residual_bytes
-        # A nest's backward runs with every earlier nest's stored starts held; the internal
-        # states of pieces stored whole count as held throughout (XLA's buffer assignment
-        # was seen to keep them until the end of the backward pass), as does the loop
-        # state of every nest beyond the first.
-        held = sum(p[0] * (r + self.whole_bytes) for p in self.pieces if len(p) == 1)
-        held += max(0, sum(len(p) > 1 for p in self.pieces) - 1) * self.piece_bytes
-        peak = held
-        for p in self.pieces:
-            if len(p) == 1:
-                continue
-            # A segment run again streams its slices of xs and of the cotangents.
-            extra = p[-1] * self.stream_bytes + max(0, len(p) - 2) * self.level_bytes
-            peak = max(peak, held + _piece_peak(p, c, r) + extra)
-            held += _piece_stored(p, c, r)
+        # The loop state of every nest beyond the first is held throughout. The forward
+        # pass ends holding what every piece stores; the backward pass takes the pieces
+        # last first, each freeing what it stored, so a nest's backward runs with what
+        # the pieces before it store (a piece stored whole after it is already freed).
+        nests = sum(len(p) > 1 for p in self.pieces)
+        stored = [_piece_stored(p, c, r + self.whole_bytes) for p in self.pieces]
+        held = max(0, nests - 1) * self.piece_bytes
+        peak = held + sum(stored)
+        for p, kept in zip(self.pieces, stored):
+            if len(p) > 1:
+                # A segment run again streams its slice of the cotangents.
+                # Each level beyond the second refills a buffer of its segment's starts,
+                # which XLA was seen to hold twice.
+                extra = p[-1] * self.stream_bytes + sum(
+                    (k - 1) * c + self.level_bytes for k in p[1:-1]
+                )
+                peak = max(peak, held + _piece_peak(p, c, r) + extra)
+            held += kept
         return peak
 
     @property
@@ -101,6 +106,16 @@ class StaticPlan:
         """Loops the executor starts, forward and backward (each segment's ``lax.scan``s
         among them): what a per-loop overhead multiplies."""
         return sum(_piece_starts(p) for p in self.pieces)
+
+    @property
+    def program_loops(self) -> int:
+        """Loops in the executor's program, forward and backward: what its size, and so
+        its trace and compile time, grows with."""
+        # A piece stored whole: a loop each way. A nest of d levels: two forward (its
+        # outer segments and each one's steps); backward, the loop over its innermost
+        # segments and in it one refill loop per level below the outermost, the
+        # segment's run keeping residuals and their pullbacks.
+        return sum(2 if len(p) == 1 else len(p) + 3 for p in self.pieces)
 
     @property
     def depth(self) -> int:
@@ -234,7 +249,18 @@ def _candidates(num_steps: int, depth: int, c: int, r: int) -> list[tuple[int, .
         out.add((*mids, min(inner_len, num_steps)))
     if depth == 2:  # beside stored steps the best segment is longer: try every scale
         out.update((int(n),) for n in np.unique(np.geomspace(1, num_steps, 40).astype(int)))
+        # Divisors near the balanced length: one nest, no remainder (the fewest loops).
+        balanced = math.sqrt(num_steps * ratio)
+        out.update((d,) for d in _divisors(num_steps) if balanced / 4 <= d <= balanced * 4)
     return sorted(out)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (none past 10^10 steps: the search takes sqrt(n) tries)."""
+    if n > 10**10:
+        return []
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
 
 
 def plan_static(
@@ -253,7 +279,8 @@ def plan_static(
 ) -> StaticPlan | None:
     """The static plan of fewest evaluations (then fewest loop iterations) whose stored
     states fit ``budget_bytes``, or None if none of up to ``max_depth`` levels fits;
-    with ``seconds`` (a plan's predicted time), the fastest that fits; with
+    with ``seconds`` (a plan's predicted time), the fastest that fits, or one of fewer
+    loops (`StaticPlan.program_loops`) predicted within 3% of its time; with
     ``fewest_bytes``, the candidate of fewest bytes instead.
 
     Candidates: every step stored (BPTT); nests of 2 to ``max_depth`` levels balanced for
@@ -262,25 +289,31 @@ def plan_static(
     longest that fit among them; each ending in its last innermost segment or its last
     step kept by the forward pass; and each nest followed by as many steps stored whole
     as the budget allows (their internal states are freed before the nest's backward
-    pass begins, so they cost only beside the nest's outer starts).
+    pass begins, so they cost only beside the nest's outer starts); and each nest as it
+    is, its last segment run again by the backward pass (fewer loops).
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
     sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes))
     best: StaticPlan | None = None
 
+    fits: dict[StaticPlan, float] = {}  # with ``seconds``: each plan that fits, its time
+
     def key(p: StaticPlan):
         if fewest_bytes:
             return (p.peak_bytes, p.evaluations)
-        if seconds is not None:
-            return (seconds(p), p.evaluations, p.loop_iterations)
         return (p.evaluations, p.loop_iterations)
 
     def consider(p: StaticPlan | None) -> None:
         nonlocal best
-        if p is not None and p.peak_bytes <= budget_bytes and (best is None or key(p) < key(best)):
+        if p is None or p.peak_bytes > budget_bytes:
+            return
+        if seconds is not None:
+            fits[p] = seconds(p)
+        elif best is None or key(p) < key(best):
             best = p
 
     def consider_nest(pieces_of: Callable[[int], list[tuple[int, ...]]]) -> None:
+        consider(StaticPlan(tuple(pieces_of(num_steps)), *sizes))
         consider(StaticPlan(tuple(_fuse_last(pieces_of(num_steps))), *sizes))
         consider(StaticPlan(tuple(_keep_last_step(pieces_of(num_steps - 1))), *sizes))
 
@@ -295,6 +328,14 @@ def plan_static(
     if not fewest_bytes:
         length = _longest_even(num_steps, budget_bytes, sizes)
         consider_nest(functools.partial(_even_pieces, length=length))
+    if fits:
+        # The fastest, or a plan of fewer loops within SIMPLER of its time: each loop
+        # adds to the program that is traced and compiled on the first call.
+        fastest = min(fits.values())
+        return min(
+            (p for p, t in fits.items() if t <= fastest * (1 + SIMPLER)),
+            key=lambda p: (p.program_loops, fits[p], p.evaluations, p.loop_iterations),
+        )
     return best
 
 

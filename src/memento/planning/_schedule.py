@@ -347,8 +347,10 @@ class Walk:
             in_sweep = self.sweep_length is None
             steps = _NO_STEPS
             if op == _ADV:
-                # Advancing to h_t is never needed: the last step is always fused or saved.
-                if arg < 1 or cur != pos or pos + arg > t - 1:
+                # Up to h_t at most: a static nest runs its last segment forward for the
+                # outputs and again in the backward pass (the optimal plans fuse or save
+                # the last step instead).
+                if arg < 1 or cur != pos or pos + arg > t:
                     fail(i, f"cannot advance {arg} from position {pos} (current {cur}, t={t})")
                 steps = range(pos, pos + arg)
                 cur = pos + arg
@@ -444,6 +446,8 @@ class Walk:
                     if pos != sweep_pos:
                         fail(i, f"the first sweep must walk the steps in order (at {sweep_pos})")
                     sweep_pos = cur
+                    if op == _ADV and cur == t:  # the sweep ran every step: it ends here
+                        self.sweep_length = i + 1
                 elif op == _FUSED:
                     if pos != t - 1 or sweep_pos != t - 1:
                         fail(i, "the first sweep must end at step t-1")
