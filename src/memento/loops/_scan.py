@@ -18,6 +18,7 @@ from ..planning.internals import (
     StaticPlan,
     as_int,
     check_policy,
+    loop_costs,
     loop_seconds,
     nest_schedule,
     plan_static,
@@ -737,6 +738,7 @@ def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
         step=step,
         backend=backend,
         starts=plan.loop_starts,
+        spilled=plan.spilled_bytes(loop_costs(backend).cache),
     )
 
 

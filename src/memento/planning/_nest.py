@@ -107,6 +107,13 @@ class StaticPlan:
         among them): what a per-loop overhead multiplies."""
         return sum(_piece_starts(p) for p in self.pieces)
 
+    def spilled_bytes(self, cache: float) -> int:
+        """Bytes of internal states stored in stacks larger than ``cache``: those of the
+        pieces stored whole, and of every innermost segment, that outgrow it (a step's
+        are stored once, and read back once, in either)."""
+        r = self.residual_bytes
+        return sum(math.prod(p) * r for p in self.pieces if p[-1] * r > cache)
+
     @property
     def program_loops(self) -> int:
         """Loops in the executor's program, forward and backward: what its size, and so

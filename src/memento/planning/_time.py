@@ -30,6 +30,10 @@ class LoopCosts:
             ``"recursion"``), beyond the step it runs.
         start: per loop the static executor starts (a segment's ``lax.scan``: its
             buffers set up, its first and last iterations), beyond its iterations.
+        cache: bytes of stored internal states that stay in cache between the run that
+            stores them and the backward pass that reads them (a segment's).
+        spill: per byte of internal state stored past ``cache`` (written to memory and
+            read back).
     """
 
     flop: float
@@ -37,6 +41,8 @@ class LoopCosts:
     op: float
     iteration: dict
     start: float
+    cache: float
+    spill: float
 
 
 # CPU: a 4-float cell's gradient per evaluation on each executor (benchmarks/pareto.py).
@@ -50,6 +56,8 @@ _COSTS = {
         op=2.0e-8,
         iteration={"static": 2.0e-8, "rows": 1.5e-6, "recursion": 1.0e-6},
         start=5.0e-7,
+        cache=2**20,
+        spill=1.0e-10,
     ),
     "gpu": LoopCosts(
         flop=1.0e-13,
@@ -57,6 +65,8 @@ _COSTS = {
         op=3.0e-6,
         iteration={"static": 5.0e-6, "rows": 5.0e-5, "recursion": 4.0e-5},
         start=1.0e-5,
+        cache=0,
+        spill=0.0,
     ),
 }
 
@@ -82,10 +92,13 @@ def loop_seconds(
     step: float,
     backend: str,
     starts: float = 0,
+    spilled: float = 0,
 ) -> float:
     """Predicted seconds of a plan: ``evaluations`` forward evaluations of a step of
     ``step`` seconds (its backward counted as two more, for every plan alike),
     ``iterations`` loop iterations of ``executor`` and, for the static executor, the
-    ``starts`` of its loops."""
+    ``starts`` of its loops and the bytes of internal states it stores past the cache
+    (``spilled``, see `LoopCosts.spill`)."""
     c = loop_costs(backend)
-    return evaluations * step + iterations * c.iteration[executor] + starts * c.start
+    loops = iterations * c.iteration[executor] + starts * c.start
+    return evaluations * step + loops + 2 * spilled * c.spill
