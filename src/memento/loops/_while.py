@@ -20,6 +20,11 @@ segments, `memento.planning.online_evaluations` with ``host_memory=H``.
 
 The program holds the body three times (primal loop forward, primal and VJP backward)
 whatever ``max_steps``: the plan is data (the event table) or computed on device.
+
+Forward mode and derivatives beyond the first come from `memento.loops._linear`, as for
+`memento.scan`: the loop is a `_WhileLoop`, whose loop of the step's JVP is this same
+`while_loop` over the carry and its tangent, each buffer's writes doubled onto a tangent
+buffer (same index and predicate, the value's tangent).
 """
 
 from __future__ import annotations
@@ -795,7 +800,7 @@ class _WhileLoop(Loop):
 
     def backward(self, plan, args, cache, cts):
         b, perturbed = plan
-        consts, _, init, bufs = self._parts(args)
+        consts, cond_consts, init, bufs = self._parts(args)
         hidden, total, n, stack_pos, stack_slot, depth, kept = cache
         # The cotangents of the differentiated carry leaves and of the float buffers,
         # from those of every float output (carry, then buffers).
@@ -844,7 +849,6 @@ class _WhileLoop(Loop):
         # the predicate's consts get zero.
         _, mq, mc, mb = self._parts(perturbed)
         returned = [p for p, m in zip(mc, b.carry_mask) if m]
-        cond_consts = self._parts(args)[1]
         return [
             *ct_k,
             *[jnp.zeros_like(q) for q, m in zip(cond_consts, mq) if m],
