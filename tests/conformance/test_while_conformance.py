@@ -282,7 +282,12 @@ def test_random_carries_against_lax(case):
         return (jax.vmap(go, axis_size=2) if case["vmap"] else go)(args, cts, tangents)
 
     ours = functools.partial(memento.while_loop, memory=case["memory"], max_steps=max_steps)
-    got, want = results(ours), results(functools.partial(_scanned, length=n))
+    try:
+        got = results(ours)
+    except ValueError as e:  # the loop of the step's JVP keeps a carry and its tangent
+        assert case["second_order"] and "cannot hold even one carry" in str(e), e
+        return
+    want = results(functools.partial(_scanned, length=n))
     if case["second_order"]:
         _trees.assert_same(got[1], want[1], "forward derivative", exact=False)
         got, want = got[0], want[0]
