@@ -362,9 +362,56 @@ def test_errors():
         )
 
 
-def test_forward_mode_raises():
-    # As RecursiveCheckpointAdjoint: reverse mode only (diffrax.ForwardMode for jvp).
-    with pytest.raises(TypeError, match=r"forward-mode"):
+SOME_TS = np.linspace(0.3, 3.9, 7)  # NumPy: float64 in the test (SaveAt converts)
+
+
+def ys_of(adjoint, **kw):
+    return lambda y0, a: solve(y0, a, adjoint, saveat=diffrax.SaveAt(ts=SOME_TS), **kw).ys
+
+
+@pytest.mark.parametrize(
+    "solver, controller",
+    [
+        (diffrax.Euler(), None),
+        (diffrax.Heun(scan_kind="bounded"), None),
+        (diffrax.Tsit5(scan_kind="bounded"), diffrax.PIDController(rtol=1e-6, atol=1e-6)),
+    ],
+    ids=["euler", "heun", "tsit5-adaptive"],
+)
+def test_jacfwd_matches_direct_adjoint(solver, controller):
+    # Forward mode evaluates jvp of the step loop, the save loop's writes included.
+    kw = dict(solver=solver, controller=controller, dt0=0.05, max_steps=256)
+    jacfwd = lambda adjoint: jax.jit(jax.jacfwd(ys_of(adjoint, **kw), (0, 1)))(
+        jnp.asarray(Y0), jnp.asarray(ARGS)
+    )
+    assert_same(jacfwd(CheckpointAdjoint(memory=3)), jacfwd(diffrax.DirectAdjoint()))
+
+
+def test_second_derivatives_match_direct_adjoint():
+    # jax.hessian and grad of grad run the loop of the step's JVP (the save loop's
+    # included) as a budgeted memento.while_loop; DirectAdjoint's are unbudgeted.
+    def second(adjoint):
+        ys = ys_of(adjoint, solver=diffrax.Euler(), dt0=0.05, max_steps=256)
+        loss = lambda y0, a: jnp.sum(jnp.sin(ys(y0, a)))
+
+        @jax.jit
+        def run(y0, a):
+            return [
+                jax.hessian(loss, 1)(y0, a),
+                jax.grad(lambda y: jnp.sum(jax.grad(loss, 1)(y, a) ** 2))(y0),
+            ]
+
+        return run(jnp.asarray(Y0), jnp.asarray(ARGS))
+
+    assert_same(second(CheckpointAdjoint(memory=3)), second(diffrax.DirectAdjoint()))
+
+
+def test_forward_mode_needs_a_forward_differentiable_step():
+    # Heun's default stage loop is Equinox's checkpointed loop, a jax.custom_vjp (as
+    # diffrax.DirectAdjoint does, build the solver with scan_kind="bounded").
+    with pytest.raises(
+        TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
+    ):
         jax.jvp(
             lambda y: solve(y, jnp.asarray(ARGS), CheckpointAdjoint(memory=4)).ys,
             (jnp.asarray(Y0),),

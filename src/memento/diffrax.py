@@ -72,9 +72,12 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
             ``UnsafeBrownianPath``.
 
     Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (over initial conditions or
-    parameters; the batch steps until its last member is done). Forward mode
-    (``jax.jvp``) is not supported, as with ``RecursiveCheckpointAdjoint``: use
-    ``diffrax.ForwardMode``.
+    parameters; the batch steps until its last member is done), ``jvp``/``jacfwd`` and
+    derivatives of any order (``jax.hessian``, ``grad(grad(f))``), as
+    `memento.while_loop`. Forward mode needs a solver step JAX can differentiate in
+    forward mode: a Runge-Kutta solver built with ``scan_kind="bounded"`` (its default
+    stage loop is a ``jax.custom_vjp``; ``diffrax.DirectAdjoint`` makes the same
+    change), or ``Euler``.
 
     Notes:
         ``max_steps=None`` is supported with a budget: the loop is then unbounded and

@@ -187,16 +187,6 @@ def _masked(cond, body, init, max_steps=16):
     return lax.scan(step, init, None, length=max_steps)[0]
 
 
-def test_unsupported_transformations_raise_memento_errors():
-    f = lambda a: memento.while_loop(
-        lambda s: s[0] < 4, lambda s: (s[0] + 1, jnp.sin(s[1] * a)), (0, 0.5), memory=2
-    )[1]
-    with pytest.raises(TypeError, match=r"memento\.while_loop: forward-mode differentiation"):
-        jax.jvp(f, (0.7,), (1.0,))
-    with pytest.raises(NotImplementedError, match=r"memento\.while_loop: reverse-over-reverse"):
-        jax.grad(jax.grad(f))(0.7)
-
-
 # -- random carries: mixed dtypes, scalars, zero-size leaves, special values, budgets -----
 
 EXAMPLES = max(3, int(os.environ.get("MEMENTO_EXAMPLES", "12")) // 2)
@@ -292,7 +282,12 @@ def test_random_carries_against_lax(case):
         return (jax.vmap(go, axis_size=2) if case["vmap"] else go)(args, cts, tangents)
 
     ours = functools.partial(memento.while_loop, memory=case["memory"], max_steps=max_steps)
-    got, want = results(ours), results(functools.partial(_scanned, length=n))
+    try:
+        got = results(ours)
+    except ValueError as e:  # the loop of the step's JVP keeps a carry and its tangent
+        assert case["second_order"] and "cannot hold even one carry" in str(e), e
+        return
+    want = results(functools.partial(_scanned, length=n))
     if case["second_order"]:
         _trees.assert_same(got[1], want[1], "forward derivative", exact=False)
         got, want = got[0], want[0]

@@ -313,18 +313,6 @@ def test_bad_body_and_predicate():
         memento.while_loop(lambda h: h < 1, jnp.cos, h0, memory=2)
 
 
-def test_jvp_raises():
-    _, _, h0 = params()
-
-    def f(h):
-        return memento.while_loop(
-            lambda s: s[0] < 3, lambda s: (s[0] + 1, jnp.cos(s[1])), (0, h), memory=2
-        )[1]
-
-    with pytest.raises(TypeError, match=r"forward-mode differentiation .* not supported"):
-        jax.jvp(f, (h0,), (h0,))
-
-
 # ------------------------------------------------------------------------ buffers=
 
 N = 24

@@ -26,9 +26,8 @@ import numpy as np
 from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
 
-from ._pool import _stacked, explicit_sharding, from_storage, nbytes as nbytes, varying, zeros
+from ._pool import from_storage, nbytes as nbytes
 
 Leaves = list[Any]
 
@@ -391,42 +390,13 @@ def _as_aval(x, aval):
     return from_storage(lax.convert_element_type(jnp.asarray(x), aval.dtype), aval)
 
 
-_HIGHER_ORDER = (
-    "jax.hessian, jax.jvp(jax.grad(f)) and jax.jacfwd(jax.jacrev(f)) (forward-over-reverse) "
-    "are exact"
-)
-
-
-def call_reverse_mode_only(run: Callable, args: Sequence, *, name: str, instead: str):
-    """``run(*args)`` where ``run`` is a ``custom_vjp`` function; a clear error under jvp,
-    and no tangent on the outputs that are not floats.
-
-    JAX refuses forward-mode differentiation of a custom VJP (``jax.jvp``, and reverse
-    over forward: ``jax.grad`` of a ``jax.jvp``) with messages that do not say what to do
-    instead; the executors say it.
-    """
-    try:
-        out = run(*args)
-    except (TypeError, NotImplementedError) as e:
-        msg = str(e)
-        if "forward-mode" in msg or "jvp" in msg or "custom_lin" in msg:
-            raise TypeError(
-                f"{name}: forward-mode differentiation of the loop (jax.jvp, jax.jacfwd, "
-                "jax.linearize, or reverse mode over any of them) is not supported with a "
-                f"memory budget: its gradient is a custom reverse-mode rule. {_HIGHER_ORDER}. "
-                f"For forward mode use {instead}."
-            ) from e
-        raise
-    # Integer, bool and key outputs leave a custom VJP with a float0 tangent that is not
-    # JAX's symbolic zero, so under jax.grad a later primitive without a JVP rule (e.g.
-    # Equinox's unvmap_max, in Diffrax's progress meters) fails on them. As lax.while_loop
-    # and lax.scan do, give them no tangent at all.
-    return no_tangent_if_int(out)
-
-
 def no_tangent_if_int(out):
     """``out`` (a pytree) with its integer, bool and key leaves given no tangent at all,
-    as ``lax.scan`` and ``lax.while_loop`` give them (see `call_reverse_mode_only`)."""
+    as ``lax.scan`` and ``lax.while_loop`` give them.
+
+    Integer, bool and key outputs of a custom rule leave it with a float0 tangent that
+    is not JAX's symbolic zero, so under ``jax.grad`` a later primitive without a JVP
+    rule (e.g. Equinox's unvmap_max, in Diffrax's progress meters) fails on them."""
     return jax.tree_util.tree_map(lambda x: x if is_float(x) else _no_tangent(x), out)
 
 
@@ -442,95 +412,6 @@ def _no_tangent_jvp(primals, tangents):
 
 
 _no_tangent.defjvp(_no_tangent_jvp, symbolic_zeros=True)
-
-
-try:  # the tracer type of an outer reverse-mode differentiation; no public equivalent
-    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
-except ImportError:  # pragma: no cover - older or newer JAX
-    _LinearizeTracer = ()
-
-
-def refuse_reverse_over_reverse(args, *, name: str) -> None:
-    """Raises a clear error when a backward pass is itself being reverse-differentiated.
-
-    Forward over reverse (``jax.hessian``, ``jvp(grad)``) pushes tangents through the
-    backward pass: plain JAX ops, exact. Reverse over reverse (``grad(grad)``, or
-    ``jax.linearize`` of a gradient, whose map JAX would transpose) would transpose the
-    backward pass's ``while_loop``s, which JAX cannot do, and its error sends the user to
-    ``lax.scan``. The backward rule sees that case as linearize tracers among its inputs;
-    under ``jax.checkpoint`` it sees JVP tracers, as forward over reverse does, and
-    `guard_backward` on its cotangents catches it when they are transposed.
-    """
-    if any(isinstance(x, _LinearizeTracer) for x in jax.tree_util.tree_leaves(args)):
-        raise NotImplementedError(_reverse_over_reverse_message(name))
-
-
-def _no_transpose_rule(ct, x, *, name: str):
-    raise NotImplementedError(_reverse_over_reverse_message(name))
-
-
-# The identity, declared linear so that forward mode pushes tangents through it (as the
-# same op on the tangent) but with a transpose that raises memento's error. The
-# executors pass their backward pass's cotangents through it: they are then transposed
-# only when the backward pass is reverse-differentiated, which JAX would otherwise
-# report at the first ``while_loop`` it meets ("Try using lax.scan"). That is the
-# reverse-over-reverse case the tracer test below cannot see, under ``jax.checkpoint``
-# or ``jax.remat``, where an outer gradient traces the backward pass with JVP tracers as
-# forward over reverse does.
-_guard_p = jex_core.Primitive("memento_reverse_over_reverse_guard")
-_guard_p.def_impl(lambda x, *, name: x)
-_guard_p.def_abstract_eval(lambda x, *, name: x)
-ad.deflinear2(_guard_p, _no_transpose_rule)
-batching.defvectorized(_guard_p)
-mlir.register_lowering(_guard_p, lambda ctx, x, *, name: [x])
-
-
-def guard_backward(cts, *, name: str):
-    """The cotangents ``cts`` (a pytree) a backward rule returns, unchanged, but with an
-    error that names ``name`` if they are ever transposed (see `_guard_p`)."""
-    return jax.tree_util.tree_map(lambda c: _guard_p.bind(c, name=name) if is_float(c) else c, cts)
-
-
-def _reverse_over_reverse_message(name: str) -> str:
-    return (
-        f"{name}: reverse-over-reverse differentiation (jax.grad of jax.grad, "
-        "jax.jacrev(jax.jacrev(f)), jax.linearize or jax.vjp of a gradient, also through "
-        "jax.checkpoint) is not supported with a memory budget: the backward pass is a "
-        f"while loop. {_HIGHER_ORDER}: use them for Hessians and Hessian-vector products, "
-        "or memory=None."
-    )
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True, eq=False)
-class Static:
-    """A Python value that travels from a forward rule to its backward rule as pytree
-    structure (no leaves): the body as differentiated, its residuals, its program."""
-
-    value: Any
-
-
-def instantiate(cts, avals, mask, leading=None) -> Leaves:
-    """The cotangents of the differentiated leaves (``mask``), symbolic zeros made
-    concrete (with a ``leading`` axis for stacked outputs).
-
-    A zero is typed as the value it stands for: under ``shard_map(check_vma=True)`` it
-    varies over the same mesh axes (a final LSTM cell state the loss ignores still varies
-    over the batch axis, and the step's VJP refuses an unvaried cotangent for it), and
-    under explicit mesh axes it is sharded as the value.
-    """
-    out = []
-    for ct, aval, m in zip(cts, avals, mask):
-        if m:
-            if isinstance(ct, SymbolicZero):
-                sharding = explicit_sharding(aval)
-                if leading is None:
-                    ct = zeros(aval.shape, aval.dtype, varying(aval), sharding)
-                else:
-                    shape = (leading, *aval.shape)
-                    ct = zeros(shape, aval.dtype, varying(aval), _stacked(sharding))
-            out.append(ct)
-    return out
 
 
 def _sources(leaves, kf, xf) -> tuple[tuple[tuple[str, int], ...], tuple]:

@@ -20,11 +20,17 @@ segments, `memento.planning.online_evaluations` with ``host_memory=H``.
 
 The program holds the body three times (primal loop forward, primal and VJP backward)
 whatever ``max_steps``: the plan is data (the event table) or computed on device.
+
+Forward mode and derivatives beyond the first come from `memento.loops._linear`, as for
+`memento.scan`: the loop is a `_WhileLoop`, whose loop of the step's JVP is this same
+`while_loop` over the carry and its tangent, each buffer's writes doubled onto a tangent
+buffer (same index and predicate, the value's tangent).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import numbers
@@ -43,23 +49,20 @@ from ..planning import online_events
 from . import _recursion
 from ._body import (
     Body,
-    Static,
-    call_reverse_mode_only,
-    guard_backward,
     inputs_to_consts,
-    instantiate,
     is_float,
     make_body,
     merge,
     nbytes,
+    no_tangent_if_int,
     platform,
-    refuse_reverse_over_reverse,
     split,
     structure_error,
     varying_in_step,
 )
 from ._budget import Bytes, Percent, parse_memory, to_slots
 from ._interpreter import SMALL_ARRAY_BYTES, read_index, read_table
+from ._linear import Loop, differentiable
 from ._pool import _convert_element_type, under_forward_mode, varying
 from ._scan import host_slots, parse_host_memory
 
@@ -178,9 +181,9 @@ def while_loop(
         TypeError: a body that changes the carry's structure, shapes or dtypes; a
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
-            returns something else in its place; forward mode; a bad ``host_memory``
+            returns something else in its place; a bad ``host_memory``
             (e.g. a float other than ``math.inf``); ``transfer_cost`` given.
-        NotImplementedError: reverse over reverse (see below); inside ``shard_map(check_vma=True)``, a predicate that
+        NotImplementedError: inside ``shard_map(check_vma=True)``, a predicate that
             varies over mesh axes (each device may stop at its own step) with a body
             that casts a differentiated, unvaried value to varying (a carried float the
             body mixes with varying values): the cast's transpose, a ``psum``, would run
@@ -189,13 +192,15 @@ def while_loop(
             body closes over (weights) are cast before the loop for you, so their
             ``psum`` runs once, after the backward loop.
 
-    Transformations: ``jit``, ``grad``/``vjp`` (a custom VJP), ``vmap`` (a batched
-    predicate runs the batch until its last member stops, a stopped member's steps
-    changing nothing; the batch shares one checkpoint schedule, that of its longest
-    member, and each member's gradient is its own), nesting. Forward over reverse
-    (``jax.hessian``, ``jax.jvp(jax.grad(f))``) is exact. Forward mode (``jvp``) raises a ``TypeError``: use ``lax.while_loop``; reverse
-    over reverse (``grad(grad(f))``, also through ``jax.checkpoint``) a
-    ``NotImplementedError``.
+    Transformations: ``jit``, ``grad``/``vjp``, ``jvp``/``jacfwd``/``linearize``,
+    ``vmap`` (a batched predicate runs the batch until its last member stops, a stopped
+    member's steps changing nothing; the batch shares one checkpoint schedule, that of its
+    longest member, and each member's gradient is its own), nesting; derivatives of any
+    order in any mode (``jax.hessian``, ``grad(grad(f))``), buffers included. Each
+    derivative beyond the first runs the loop of the step's JVP (the carry and its
+    tangent, the buffers and theirs) as a `memento.while_loop` with the same
+    ``max_steps``, ``memory`` and ``host_memory``. Forward mode needs a ``body_fun`` that
+    JAX can differentiate in forward mode (no ``jax.custom_vjp`` inside).
 
     Notes:
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
@@ -365,14 +370,14 @@ def while_loop(
         events = online_events(slots, None if steps is None else max(steps, 1))
 
     loop_cond_consts = [*cond_consts, *fixed]
-    run = _differentiable_run(
+    loop = _WhileLoop(
         body,
         loop_cond,
         len(loop_cond_consts),
         slots,
         steps,
         events,
-        is_loop_buffer,
+        tuple(is_loop_buffer),
         write_spec,
         host=bool(host),
         carry_slots=_recursion.CarrySlots(
@@ -383,13 +388,13 @@ def while_loop(
                 [*body.consts, *loop_cond_consts, *buffers0],
             ),
         ),
+        again=functools.partial(
+            while_loop, max_steps=max_steps, memory=memory, host_memory=host_memory
+        ),
     )
-    carry, bufs = call_reverse_mode_only(
-        run,
-        (body.consts, loop_cond_consts, carry0, buffers0),
-        name=_NAME,
-        instead="lax.while_loop",
-    )
+    out = differentiable(loop)(*body.consts, *loop_cond_consts, *carry0, *buffers0)
+    out = no_tangent_if_int(out)
+    carry, bufs = out[: len(carry0)], out[len(carry0) :]
     carry = merge(fixed, carry, readonly)
     final = _merge_buffers(carry, bufs, is_buffer)
     # An enclosing loop's buffers go back to its body as stand-ins that hold the writes.
@@ -672,80 +677,89 @@ def _apply_writes(bufs, ys, write_spec) -> list:
 
 
 # ----------------------------------------------------------------------------------------
-# The custom VJP
+# The loop as `_linear` differentiates it
 
 
-def _differentiable_run(
-    body: Body,
-    cond_jaxpr,
-    num_cond_consts: int,
-    slots: int,
-    steps: int | None,
-    events,
-    is_buffer,
-    write_spec,
-    *,
-    host: bool,
-    carry_slots: _recursion.CarrySlots,
-):
-    """The loop as a ``custom_vjp`` function of (consts, cond_consts, init, buffers), flat
-    leaves; it returns ``(carry, buffers)``.
+@dataclasses.dataclass(frozen=True, eq=False)
+class _WhileLoop(Loop):
+    """The budgeted while loop as `_linear` differentiates it: flat arguments ``(consts,
+    cond_consts, init, buffers)``, outputs ``(carry, buffers)``.
 
-    The forward keeps carries where ``events`` say: in device slots, or with ``host`` in
-    host slots. The backward back-propagates by the recursion in ``slots`` device slots
-    (``h_0`` included): over the kept stack, or with ``host`` over each host interval.
-    ``carry_slots``: the slots' layout (`_in_order` picks ``per_leaf``).
+    The executor's forward keeps carries where ``events`` say: in device slots, or with
+    ``host`` in host slots. Its backward back-propagates by the recursion in ``slots``
+    device slots (``h_0`` included): over the kept stack, or with ``host`` over each host
+    interval. ``carry_slots``: the slots' layout (`_in_order` picks ``per_leaf``).
+    ``again`` is `while_loop` with this loop's ``max_steps``, ``memory`` and
+    ``host_memory``: the loop of the step's JVP (`tangent_loop`) runs through it.
     """
-    num_slots = events.memory - 1  # physical slots of the kept level; h_0 is the caller's
-    store_pos, store_slot = events.store_rows
-    # A sentinel row past every position keeps the pointer in bounds without a test.
-    big = np.iinfo(np.int32).max
-    store_pos = np.append(store_pos, big).astype(np.int32)
-    store_slot = np.append(store_slot, 0).astype(np.int32)
-    store_until = np.append(_given_up(events), big).astype(np.int32)
-    # In pieces only where the loop can run in order (`_in_order`, which then also gives
-    # its slots a pool per leaf): where it runs as a dataflow graph anyway, one read of
-    # the whole table is faster.
-    pieces = _TABLE_PIECES if carry_slots.per_leaf else 1
-    threaded = {j for j, n_idx, _ in write_spec if n_idx == _WHOLE}
 
-    def cond(cond_consts, c, bufs):
-        full = _merge_buffers(c, bufs, is_buffer)
-        return jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *full)[0]
+    body: Body
+    cond_jaxpr: Any
+    num_cond_consts: int
+    slots: int
+    steps: int | None
+    events: Any
+    is_buffer: tuple[bool, ...]
+    write_spec: tuple
+    host: bool
+    carry_slots: _recursion.CarrySlots
+    again: Callable
 
-    def running(cond_consts, p, c, bufs):
-        ok = cond(cond_consts, c, bufs)
-        return ok if steps is None else jnp.logical_and(p < steps, ok)
+    def _parts(self, leaves) -> tuple[list, list, list, list]:
+        n_k, n_q = len(self.body.consts), self.num_cond_consts
+        n_c = len(self.body.carry_avals)
+        leaves = list(leaves)
+        a, b, c = n_k, n_k + n_q, n_k + n_q + n_c
+        return leaves[:a], leaves[a:b], leaves[b:c], leaves[c:]
 
-    def step(consts, c, bufs, active=True):
-        c, ys = body(consts, c, [jnp.asarray(active), *bufs])
-        return c, _apply_writes(bufs, ys, write_spec)
+    @property
+    def _threaded(self) -> set[int]:
+        """The buffers a nested loop writes whole (a step's input and output)."""
+        return {j for j, n_idx, _ in self.write_spec if n_idx == _WHOLE}
 
-    @jax.custom_vjp
-    def run(consts, cond_consts, init, bufs):
+    def _cond(self, cond_consts, c, bufs):
+        full = _merge_buffers(c, bufs, self.is_buffer)
+        return jax_core.eval_jaxpr(self.cond_jaxpr, list(cond_consts), *full)[0]
+
+    def _running(self, cond_consts, p, c, bufs):
+        ok = self._cond(cond_consts, c, bufs)
+        return ok if self.steps is None else jnp.logical_and(p < self.steps, ok)
+
+    def _step(self, consts, c, bufs, active=True):
+        c, ys = self.body(consts, c, [jnp.asarray(active), *bufs])
+        return c, _apply_writes(bufs, ys, self.write_spec)
+
+    def primal(self, args):
+        consts, cond_consts, init, bufs = self._parts(args)
+
         def body_fn(state):
             p, c, bufs = state
-            return p + 1, *step(consts, c, bufs)
+            return p + 1, *self._step(consts, c, bufs)
 
-        _, c, bufs = lax.while_loop(
-            lambda s: running(cond_consts, *s), body_fn, (jnp.int32(0), list(init), list(bufs))
-        )
-        return c, bufs
+        state = (jnp.int32(0), init, bufs)
+        _, c, bufs = lax.while_loop(lambda s: self._running(cond_consts, *s), body_fn, state)
+        return [*c, *bufs]
 
-    def fwd(consts, cond_consts, init, bufs):
-        # symbolic_zeros: only what is perturbed, or depends on it, is differentiated.
-        # A buffer written whole (by a nested loop) is differentiated as a step's input.
-        whole = [a.perturbed and j in threaded for j, a in enumerate(bufs)]
-        b = body.restrict(
-            [a.perturbed for a in consts], [a.perturbed for a in init], [False, *whole]
-        )
-        _refuse_per_step_psums(b, cond_jaxpr)
-        consts, cond_consts, init, bufs = (
-            [a.value for a in x] for x in (consts, cond_consts, init, bufs)
-        )
+    def prepare(self, perturbed):
+        # Only what is perturbed, or depends on it, is differentiated. A buffer written
+        # whole (by a nested loop) is differentiated as a step's input.
+        mk, _, mc, mb = self._parts(perturbed)
+        whole = [p and j in self._threaded for j, p in enumerate(mb)]
+        b = self.body.restrict(mk, mc, [False, *whole])
+        _refuse_per_step_psums(b, self.cond_jaxpr)
+        return b, tuple(perturbed)
+
+    def forward(self, plan, args):
+        consts, cond_consts, init, bufs = self._parts(args)
+        num_slots = self.events.memory - 1  # physical slots; h_0 is the caller's
+        store_pos, store_slot, store_until = _tables(self.events)
+        # In pieces only where the loop can run in order (`_in_order`, which then also
+        # gives its slots a pool per leaf): where it runs as a dataflow graph anyway, one
+        # read of the whole table is faster.
+        pieces = _TABLE_PIECES if self.carry_slots.per_leaf else 1
         # Host slots stay on the device under an outer jvp (`_pool.under_forward_mode`).
         place = not under_forward_mode(jax.tree_util.tree_leaves((consts, init, bufs)))
-        hidden = carry_slots.allocate(num_slots, host=host, place=place)
+        hidden = self.carry_slots.allocate(num_slots, host=self.host, place=place)
 
         # One schedule for the whole batch under vmap, as Equinox's loop does: the loop
         # runs while any member runs (`_any_member` is unbatched), its step counter p and
@@ -762,48 +776,45 @@ def _differentiable_run(
             if num_slots:
                 slot = read_table(store_slot, ptr, pieces)
                 until = read_table(store_until, ptr, pieces)
-                hidden, held = _keep(hidden, held, slot, c, carry_slots, keep, p, until)
+                hidden, held = _keep(hidden, held, slot, c, self.carry_slots, keep, p, until)
             taken = _member_active(active)  # True outside vmap, with no varying axes
-            c, bufs = step(consts, c, bufs, taken)
+            c, bufs = self._step(consts, c, bufs, taken)
             p, n = p + 1, n + taken.astype(jnp.int32)
-            return (
-                p,
-                ptr + keep.astype(jnp.int32),
-                c,
-                (hidden, held),
-                bufs,
-                n,
-                running(cond_consts, p, c, bufs),
-            )
+            running = self._running(cond_consts, p, c, bufs)
+            return p, ptr + keep.astype(jnp.int32), c, (hidden, held), bufs, n, running
 
         zero = jnp.int32(0)
-        go = running(cond_consts, zero, list(init), list(bufs))
+        go = self._running(cond_consts, zero, init, bufs)
         # Per physical slot, the position of the carry it holds and where the policy
         # gives that carry up (-1: never written).
         held = (jnp.full(num_slots, -1, jnp.int32), jnp.full(num_slots, -1, jnp.int32))
-        state = (zero, zero, list(init), (hidden, held), list(bufs), zero, go)
+        state = (zero, zero, init, (hidden, held), bufs, zero, go)
         total, _, c, (hidden, held), bufs, n, _ = lax.while_loop(
             lambda s: _any_member(s[6]), body_fn, state
         )
         stack_pos, stack_slot, depth = _stack(total, *held)
         # The buffers' values are a step's inputs only where a nested loop writes them
         # (any value will do: they are write-only); else their types are enough.
-        kept = [x if j in threaded else None for j, x in enumerate(bufs)]
-        res = (consts, init, hidden, total, n, stack_pos, stack_slot, depth, kept)
-        return (c, bufs), (res, Static((b, [jax.typeof(x) for x in bufs])))
+        kept = [x if j in self._threaded else None for j, x in enumerate(bufs)]
+        return [*c, *bufs], (hidden, total, n, stack_pos, stack_slot, depth, kept)
 
-    def bwd(res, cts):
-        refuse_reverse_over_reverse((res, cts), name=_NAME)
-        (consts, init, hidden, total, n, stack_pos, stack_slot, depth, kept) = res[0]
-        b, buf_types = res[1].value
-        ct_final, ct_bufs = cts
-        ct_c = instantiate(ct_final, b.carry_avals, b.carry_mask)
-        # Cotangents of float buffers only; a written location passes its cotangent to the
-        # value written there and none to what it held before.
+    def backward(self, plan, args, cache, cts):
+        b, perturbed = plan
+        consts, cond_consts, init, bufs = self._parts(args)
+        hidden, total, n, stack_pos, stack_slot, depth, kept = cache
+        # The cotangents of the differentiated carry leaves and of the float buffers,
+        # from those of every float output (carry, then buffers).
+        cts = iter(cts)
+        ct_c = [next(cts) if is_float(a) else None for a in b.carry_avals]
+        ct_c = [ct for ct, m in zip(ct_c, b.carry_mask) if m]
+        # A written location passes its cotangent to the value written there and none to
+        # what it held before.
+        buf_types = [jax.typeof(x) for x in bufs]
         buf_float = [is_float(x) for x in buf_types]
-        ct_b = instantiate(ct_bufs, buf_types, buf_float)
+        ct_b = [next(cts) for f in buf_float if f]
         bufs = [jnp.zeros(t.shape, t.dtype) if x is None else x for x, t in zip(kept, buf_types)]
         kf, _ = split(consts, b.const_mask)
+        threaded = self._threaded
 
         def give_cts(e, d_x, aux):
             # A buffer written whole by the step: its cotangent before the step.
@@ -815,34 +826,125 @@ def _differentiable_run(
             return ct_b, pending
 
         xs = lambda e: [_member_active(e < n), *bufs]  # noqa: E731
-        take_cts = functools.partial(_buffer_cts, b, buf_float, write_spec)
+        take_cts = functools.partial(_buffer_cts, b, buf_float, self.write_spec)
         ct_k = [jnp.zeros_like(k) for k in kf]
-        aux = (ct_b, _no_clears(b, buf_float, write_spec))
-        if host:
+        aux = (ct_b, _no_clears(b, buf_float, self.write_spec))
+        num_slots = self.events.memory - 1
+        if self.host:
             ct_k, ct_init, aux = _host_intervals_backward(
-                b, slots, consts, init, xs, hidden, num_slots, total, stack_pos, stack_slot,
-                depth, ct_c, ct_k, aux, take_cts, give_cts, carry_slots,
+                b, self.slots, consts, init, xs, hidden, num_slots, total, stack_pos,
+                stack_slot, depth, ct_c, ct_k, aux, take_cts, give_cts, self.carry_slots,
             )  # fmt: skip
         else:
             # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-            hidden = carry_slots.reorder(hidden, stack_slot[1:])
+            hidden = self.carry_slots.reorder(hidden, stack_slot[1:])
             ct_k, ct_init, aux = _recursion.backward(
-                b, slots, consts, init, xs, hidden, total - 1, stack_pos, depth, ct_c, ct_k,
-                aux, take_cts, give_cts, carry_slots=carry_slots,
+                b, self.slots, consts, init, xs, hidden, total - 1, stack_pos, depth, ct_c,
+                ct_k, aux, take_cts, give_cts, carry_slots=self.carry_slots,
             )  # fmt: skip
         ct_b, pending = aux
-        ct_b = _clear(ct_b, pending, buf_float, write_spec)  # the first step's clears
-        ct_k, ct_init, ct_b = guard_backward((ct_k, ct_init, ct_b), name=_NAME)
-        # None is a zero cotangent for custom_vjp: leaves not differentiated.
-        return (
-            merge(ct_k, [None] * (len(consts) - len(ct_k)), b.const_mask),
-            [None] * num_cond_consts,
-            merge(ct_init, [None] * (len(init) - len(ct_init)), b.carry_mask),
-            merge(ct_b, [None] * (len(buf_types) - len(ct_b)), buf_float),
-        )
+        ct_b = _clear(ct_b, pending, buf_float, self.write_spec)  # the first step's clears
+        # The cotangents of the perturbed leaves only: a carry leaf differentiated because
+        # a step makes it depend on a perturbed input has an unperturbed initial value;
+        # the predicate's consts get zero.
+        _, mq, mc, mb = self._parts(perturbed)
+        returned = [p for p, m in zip(mc, b.carry_mask) if m]
+        return [
+            *ct_k,
+            *[jnp.zeros_like(q) for q, m in zip(cond_consts, mq) if m],
+            *[ct for ct, m in zip(ct_init, returned) if m],
+            *[ct for ct, m in zip(ct_b, [m for m, f in zip(mb, buf_float) if f]) if m],
+        ]
 
-    run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run
+    def tangent_loop(self, args, tangents, mask):
+        consts, cond_consts, init, bufs = self._parts(args)
+        mk, mq, mc, mb = self._parts(mask)
+        b, has_t = self._tangent_body(mk, mc, mb)
+        tangents = iter(tangents)
+        tk = [next(tangents) for m in mk if m]
+        _ = [next(tangents) for m in mq if m]  # the predicate's: they change no step
+        tc = [next(tangents) if m else None for m in mc]
+        tb = [next(tangents) if m else None for m in mb]
+        tc = [jnp.zeros_like(c) if t is None else t for c, t, m in zip(init, tc, b.carry_mask) if m]
+        tb = [jnp.zeros_like(x) if t is None else t for x, t, h in zip(bufs, tb, has_t) if h]
+        # Buffer j's tangent is tangent buffer where[j] (where has_t[j]).
+        where = np.cumsum([0, *has_t]).tolist()
+        places = _places(self.write_spec)
+
+        def cond_fun(state):
+            c, _, bs, _ = state
+            return self._cond(cond_consts, c, bs)
+
+        def body_fun(state):
+            # One step and its JVP. A write carries over to the tangent buffer with the
+            # same index and predicate and the value's tangent (zero for a value that
+            # depends on nothing perturbed); a buffer written whole by a nested loop
+            # takes the nested loop's tangent of it.
+            c, dc, bs, dbs = state
+            x = [jnp.bool_(True), *(s.thread() for s in bs)]  # this loop masks its own
+            g, kf, cf, xf = b._diff_fn(consts, c, x)
+            dx = [dbs[where[j]].thread() for j, m in enumerate(b.x_mask[1:]) if m]
+            (c_f, y_f), (dc, dy), (c_i, y_i) = jax.jvp(g, (kf, cf, xf), (tk, dc, dx), has_aux=True)
+            dc = [lax.convert_element_type(d, jax.typeof(a).dtype) for d, a in zip(dc, cf)]
+            ys = merge(y_f, y_i, b.y_mask)
+            dys = merge(dy, [None] * len(y_i), b.y_mask)
+            bs, dbs = list(bs), list(dbs)
+            for (j, n_idx, _), k in zip(self.write_spec, places):
+                t = where[j] if has_t[j] else None
+                if n_idx == _WHOLE:
+                    bs[j] = bs[j].threaded_as(ys[k])
+                    if t is not None:  # differentiated: `_tangent_body`'s fixed point
+                        dbs[t] = dbs[t].threaded_as(dys[k])
+                    continue
+                index, value, pred = tuple(ys[k : k + n_idx]), ys[k + n_idx], ys[k + n_idx + 1]
+                bs[j] = bs[j].at[index].set(value, pred=pred)
+                if t is not None:
+                    dv = jnp.zeros_like(value) if dys[k + n_idx] is None else dys[k + n_idx]
+                    dbs[t] = dbs[t].at[index].set(dv, pred=pred)
+            return merge(c_f, c_i, b.carry_mask), dc, bs, dbs
+
+        with_buffers = {"buffers": lambda s: (s[2], s[3])} if bufs else {}
+        c, dc, bs, dbs = self.again(cond_fun, body_fun, (init, tc, bufs, tb), **with_buffers)
+        touts, dc = [], iter(dc)
+        for x, a, m in zip(c, b.carry_avals, b.carry_mask):
+            if is_float(a):
+                touts.append(next(dc) if m else jnp.zeros_like(x))
+        for j, x in enumerate(bs):
+            if is_float(x):
+                touts.append(dbs[where[j]] if has_t[j] else jnp.zeros_like(x))
+        return [*c, *bs], touts
+
+    def _tangent_body(self, mk, mc, mb) -> tuple[Body, list[bool]]:
+        """The body differentiated for the loop of the step's JVP, and which buffers take
+        a tangent buffer there: a float buffer perturbed, or written with a
+        differentiated value. One written whole (by a nested loop) is then a
+        differentiated input of the step, its tangent carried from step to step: a
+        fixed point, as `Body.restrict` finds the carry's."""
+        floats = [is_float(a) for a in self.body.x_avals[1:]]
+        places = _places(self.write_spec)
+        whole = [False] * len(mb)
+        while True:
+            b = self.body.restrict(mk, mc, [False, *whole])
+            written = [False] * len(mb)
+            for (j, n_idx, _), k in zip(self.write_spec, places):
+                written[j] = written[j] or b.y_mask[k if n_idx == _WHOLE else k + n_idx]
+            has_t = [f and (m or w) for f, m, w in zip(floats, mb, written)]
+            new = [h and j in self._threaded for j, h in enumerate(has_t)]
+            if new == whole:
+                return b, has_t
+            whole = new
+
+
+def _tables(events) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forward's event table: per store row, the position stored, the slot, and
+    where the policy gives that carry up (`_given_up`)."""
+    store_pos, store_slot = events.store_rows
+    # A sentinel row past every position keeps the pointer in bounds without a test.
+    big = np.iinfo(np.int32).max
+    store_pos = np.append(store_pos, big).astype(np.int32)
+    store_slot = np.append(store_slot, 0).astype(np.int32)
+    store_until = np.append(_given_up(events), big).astype(np.int32)
+    return store_pos, store_slot, store_until
 
 
 def _host_intervals_backward(

@@ -261,10 +261,10 @@ def _second_order(value, flat, a_idx, p_idx, u, mode):
             raise
         raise TypeError(
             "memento.fwdrev_grad: mode='revfwd' differentiates the loss forward, then in "
-            "reverse, and the loss contains a custom_vjp (a memento.while_loop or "
-            "memento.chain with a memory budget, say) that forward mode cannot "
-            "enter. Use mode='fwdrev' (forward over reverse, exact through budgeted "
-            "loops) or mode='revrev'."
+            "reverse, and the loss contains a custom_vjp (memento.meta.inner_loop in "
+            "mode 'fwdrev' or 'revfwd', or a jax.custom_vjp of your own, say) that "
+            "forward mode cannot enter. Use mode='fwdrev' (forward over reverse) or "
+            "mode='revrev'."
         ) from e
 
 
