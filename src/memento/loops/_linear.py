@@ -128,6 +128,14 @@ def _zero_tangent(x):
     return SymbolicZero(jax.typeof(x).to_tangent_aval())
 
 
+def _zero_dense(x):
+    """The zero tangent of ``x`` as an array: float0 for an integer or bool leaf (a while
+    loop's step counter), as ``jax.jvp`` requires."""
+    if is_float(x):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
+
+
 # -- the primitive -----------------------------------------------------------------------
 
 
@@ -363,7 +371,7 @@ class SecondAdjoint(LinearOp):
         )
 
     def jvp_res(self, res, dres, lin):  # third order: forward mode through the loops
-        dense = [jax.numpy.zeros_like(r) if d is None else d for r, d in zip(res, dres)]
+        dense = [_zero_dense(r) if d is None or not is_float(r) else d for r, d in zip(res, dres)]
         return jax.jvp(lambda *r: self.apply(list(r), lin), list(res), dense)[1]
 
 
