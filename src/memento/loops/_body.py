@@ -225,6 +225,15 @@ class Body:
 
         return g, kf, cf, xf
 
+    def jvp(self, consts, carry, x, t_consts, t_carry, t_x):
+        """One step and its JVP: ``(carry_out, t_carry_out, y, t_y)``, the tangents given
+        and returned for the differentiated leaves only (a carry's in its own dtype)."""
+        g, kf, cf, xf = self._diff_fn(consts, carry, x)
+        primals, tangents = (kf, cf, xf), (t_consts, t_carry, t_x)
+        (c_f, y_f), (dc, dy), (c_i, y_i) = jax.jvp(g, primals, tangents, has_aux=True)
+        dc = [lax.convert_element_type(d, jax.typeof(a).dtype) for d, a in zip(dc, cf)]
+        return merge(c_f, c_i, self.carry_mask), dc, merge(y_f, y_i, self.y_mask), dy
+
     def linearize(self, consts, carry, x):
         """Runs one step keeping its residuals.
 

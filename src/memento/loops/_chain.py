@@ -77,7 +77,7 @@ from jax.extend import core as jex_core
 
 from ..planning import Op, Schedule, walk
 from ..planning.internals import INITIAL, ChainPlan, ChainPolicy, check_layers, plan_layers
-from ._body import Body, make_body, merge, nbytes, no_tangent_if_int, of_floats, to_floats
+from ._body import Body, make_body, nbytes, no_tangent_if_int, of_floats, to_floats
 from ._budget import Bytes, Percent
 from ._linear import Loop, differentiable
 
@@ -360,9 +360,8 @@ class _ChainLoop(Loop):
         def layer(b: Body, k, t):
             def f(state):
                 h, th = state
-                g, kf, _, xf = b._diff_fn(k, [], h)
-                (_, y_f), (_, ty), (_, y_i) = jax.jvp(g, (kf, [], xf), (t, [], th), has_aux=True)
-                return merge(y_f, y_i, b.y_mask), ty
+                _, _, y, ty = b.jvp(k, [], h, t, [], th)
+                return y, ty
 
             return f
 

@@ -870,10 +870,8 @@ class _ScanLoop(Loop):
 
         def step(carry, x):
             (c, dc), (x, dx) = carry, x
-            g, kf, cf, xf = b._diff_fn(consts, c, x)
-            (c_f, y_f), (dc, dy), (c_i, y_i) = jax.jvp(g, (kf, cf, xf), (tk, dc, dx), has_aux=True)
-            dc = [lax.convert_element_type(d, jax.typeof(a).dtype) for d, a in zip(dc, cf)]
-            return (merge(c_f, c_i, b.carry_mask), dc), (merge(y_f, y_i, b.y_mask), dy)
+            c, dc, y, dy = b.jvp(consts, c, x, tk, dc, dx)
+            return (c, dc), (y, dy)
 
         (c, dc), (ys, dys) = self.again(step, (init, tc), (xs, tx))
         touts = to_floats(c, b.carry_avals, b.carry_mask, dc)

@@ -55,9 +55,11 @@ from ._body import (
     merge,
     nbytes,
     no_tangent_if_int,
+    of_floats,
     platform,
     split,
     structure_error,
+    to_floats,
     varying_in_step,
 )
 from ._budget import Bytes, Percent, parse_memory, to_slots
@@ -804,9 +806,9 @@ class _WhileLoop(Loop):
         hidden, total, n, stack_pos, stack_slot, depth, kept = cache
         # The cotangents of the differentiated carry leaves and of the float buffers,
         # from those of every float output (carry, then buffers).
-        cts = iter(cts)
-        ct_c = [next(cts) if is_float(a) else None for a in b.carry_avals]
-        ct_c = [ct for ct, m in zip(ct_c, b.carry_mask) if m]
+        n_c = sum(map(is_float, b.carry_avals))
+        ct_c = of_floats(b.carry_avals, b.carry_mask, cts[:n_c])
+        cts = iter(cts[n_c:])
         # A written location passes its cotangent to the value written there and none to
         # what it held before.
         buf_types = [jax.typeof(x) for x in bufs]
@@ -882,12 +884,9 @@ class _WhileLoop(Loop):
             # takes the nested loop's tangent of it.
             c, dc, bs, dbs = state
             x = [jnp.bool_(True), *(s.thread() for s in bs)]  # this loop masks its own
-            g, kf, cf, xf = b._diff_fn(consts, c, x)
             dx = [dbs[where[j]].thread() for j, m in enumerate(b.x_mask[1:]) if m]
-            (c_f, y_f), (dc, dy), (c_i, y_i) = jax.jvp(g, (kf, cf, xf), (tk, dc, dx), has_aux=True)
-            dc = [lax.convert_element_type(d, jax.typeof(a).dtype) for d, a in zip(dc, cf)]
-            ys = merge(y_f, y_i, b.y_mask)
-            dys = merge(dy, [None] * len(y_i), b.y_mask)
+            c, dc, ys, dy = b.jvp(consts, c, x, tk, dc, dx)
+            dys = merge(dy, [None] * (len(ys) - len(dy)), b.y_mask)
             bs, dbs = list(bs), list(dbs)
             for (j, n_idx, _), k in zip(self.write_spec, places):
                 t = where[j] if has_t[j] else None
@@ -901,14 +900,11 @@ class _WhileLoop(Loop):
                 if t is not None:
                     dv = jnp.zeros_like(value) if dys[k + n_idx] is None else dys[k + n_idx]
                     dbs[t] = dbs[t].at[index].set(dv, pred=pred)
-            return merge(c_f, c_i, b.carry_mask), dc, bs, dbs
+            return c, dc, bs, dbs
 
         with_buffers = {"buffers": lambda s: (s[2], s[3])} if bufs else {}
         c, dc, bs, dbs = self.again(cond_fun, body_fun, (init, tc, bufs, tb), **with_buffers)
-        touts, dc = [], iter(dc)
-        for x, a, m in zip(c, b.carry_avals, b.carry_mask):
-            if is_float(a):
-                touts.append(next(dc) if m else jnp.zeros_like(x))
+        touts = to_floats(c, b.carry_avals, b.carry_mask, dc)
         for j, x in enumerate(bs):
             if is_float(x):
                 touts.append(dbs[where[j]] if has_t[j] else jnp.zeros_like(x))
