@@ -374,9 +374,10 @@ def ys_of(adjoint, **kw):
     [
         (diffrax.Euler(), None),
         (diffrax.Heun(scan_kind="bounded"), None),
-        (diffrax.Tsit5(scan_kind="bounded"), diffrax.PIDController(rtol=1e-6, atol=1e-6)),
+        (diffrax.Heun(), None),
+        (diffrax.Tsit5(), diffrax.PIDController(rtol=1e-6, atol=1e-6)),
     ],
-    ids=["euler", "heun", "tsit5-adaptive"],
+    ids=["euler", "heun-bounded", "heun", "tsit5-adaptive"],
 )
 def test_jacfwd_matches_direct_adjoint(solver, controller):
     # Forward mode evaluates jvp of the step loop, the save loop's writes included.
@@ -387,11 +388,12 @@ def test_jacfwd_matches_direct_adjoint(solver, controller):
     assert_same(jacfwd(CheckpointAdjoint(memory=3)), jacfwd(diffrax.DirectAdjoint()))
 
 
-def test_second_derivatives_match_direct_adjoint():
+@pytest.mark.parametrize("solver", [diffrax.Euler(), diffrax.Tsit5()], ids=["euler", "tsit5"])
+def test_second_derivatives_match_direct_adjoint(solver):
     # jax.hessian and grad of grad run the loop of the step's JVP (the save loop's
     # included) as a budgeted memento.while_loop; DirectAdjoint's are unbudgeted.
     def second(adjoint):
-        ys = ys_of(adjoint, solver=diffrax.Euler(), dt0=0.05, max_steps=256)
+        ys = ys_of(adjoint, solver=solver, dt0=0.05, max_steps=256)
         loss = lambda y0, a: jnp.sum(jnp.sin(ys(y0, a)))
 
         @jax.jit
@@ -406,17 +408,18 @@ def test_second_derivatives_match_direct_adjoint():
     assert_same(second(CheckpointAdjoint(memory=3)), second(diffrax.DirectAdjoint()))
 
 
-def test_forward_mode_needs_a_forward_differentiable_step():
-    # Heun's default stage loop is Equinox's checkpointed loop, a jax.custom_vjp (as
-    # diffrax.DirectAdjoint does, build the solver with scan_kind="bounded").
-    with pytest.raises(
-        TypeError, match=r"can't apply forward-mode autodiff \(jvp\) to a custom_vjp"
-    ):
-        jax.jvp(
-            lambda y: solve(y, jnp.asarray(ARGS), CheckpointAdjoint(memory=4)).ys,
-            (jnp.asarray(Y0),),
-            (jnp.asarray(Y0),),
+def test_the_gradient_runs_the_solver_as_given():
+    # A Runge-Kutta solver's default stage loop (a jax.custom_vjp) runs the steps and the
+    # gradient; the stage loop JAX differentiates in forward mode is only for the other
+    # derivatives: the gradient's program is that of the solver built with it explicitly.
+    def temp(solver):
+        loss = lambda y0: jnp.sum(
+            solve(y0, jnp.asarray(ARGS), CheckpointAdjoint(4), solver=solver).ys
         )
+        compiled = jax.jit(jax.grad(loss)).lower(jnp.asarray(Y0)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp(diffrax.Heun()) == temp(diffrax.Heun(scan_kind="checkpointed"))
 
 
 _TYPECHECKED = """

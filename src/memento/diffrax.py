@@ -20,6 +20,7 @@ indices) in a few slots of its own.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -74,10 +75,13 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
     Transformations: ``jit``, ``grad``/``vjp``, ``vmap`` (over initial conditions or
     parameters; the batch steps until its last member is done), ``jvp``/``jacfwd`` and
     derivatives of any order (``jax.hessian``, ``grad(grad(f))``), as
-    `memento.while_loop`. Forward mode needs a solver step JAX can differentiate in
-    forward mode: a Runge-Kutta solver built with ``scan_kind="bounded"`` (its default
-    stage loop is a ``jax.custom_vjp``; ``diffrax.DirectAdjoint`` makes the same
-    change), or ``Euler``.
+    `memento.while_loop`. A Runge-Kutta solver's default stage loop is Equinox's
+    checkpointed loop, a ``jax.custom_vjp`` that JAX cannot differentiate in forward
+    mode. The steps and their gradient run with it; every other derivative is taken
+    through the same solver with ``scan_kind="bounded"`` (the stage loop
+    ``diffrax.DirectAdjoint`` uses), the step loop's ``jvp_body_fun``. The gradient's
+    program and memory are those of the solver as given; the first call traces the
+    step twice.
 
     Notes:
         ``max_steps=None`` is supported with a budget: the loop is then unbounded and
@@ -139,15 +143,26 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         # differentiated through like the rest of the initial state.
         del throw, passed_solver_state, passed_controller_state
         _check(terms, saveat, max_steps, self.memory)
-        return self._loop(
+        loop = functools.partial(
+            self._loop,
             terms=terms,
             saveat=saveat,
             init_state=init_state,
             max_steps=max_steps,
             inner_while_loop=_inner_loop,
-            outer_while_loop=_outer_loop(self.memory),
-            **kwargs,
         )
+        solver = kwargs.pop("solver")
+        jvp_step = None
+        twin = _forward_differentiable(solver)
+        if twin is not None:
+            # The same steps with a stage loop JAX can differentiate in forward mode, for
+            # the derivatives beyond the gradient: the step loop's body from a solve
+            # with that solver, stopped as it enters the loop.
+            try:
+                loop(solver=twin, outer_while_loop=_capture_body, **kwargs)
+            except _Found as found:
+                jvp_step = found.body_fun
+        return loop(solver=solver, outer_while_loop=_outer_loop(self.memory, jvp_step), **kwargs)
 
 
 def _check(terms, saveat, max_steps, memory) -> None:
@@ -170,13 +185,38 @@ def _check(terms, saveat, max_steps, memory) -> None:
 # The two loops: the solver's steps, and inside each the SaveAt(ts=...) times it passed
 
 
-def _outer_loop(memory) -> Callable:
+def _outer_loop(memory, jvp_body_fun) -> Callable:
     def outer_while_loop(cond_fun, body_fun, init_val, *, max_steps, buffers):
         return while_loop(
-            cond_fun, body_fun, init_val, max_steps=max_steps, memory=memory, buffers=buffers
+            cond_fun,
+            body_fun,
+            init_val,
+            max_steps=max_steps,
+            memory=memory,
+            buffers=buffers,
+            jvp_body_fun=jvp_body_fun,
         )
 
     return outer_while_loop
+
+
+def _forward_differentiable(solver):
+    """``solver`` with the stage loop ``diffrax.DirectAdjoint`` gives it (one JAX can
+    differentiate in every mode), where its default one is Equinox's checkpointed loop,
+    a ``jax.custom_vjp``; ``None`` where the solver has no such loop."""
+    kinds = (diffrax.AbstractRungeKutta, diffrax.AbstractSRK)
+    if not (isinstance(solver, kinds) and solver.scan_kind is None):
+        return None
+    return eqx.tree_at(lambda s: s.scan_kind, solver, "bounded", is_leaf=lambda x: x is None)
+
+
+class _Found(Exception):  # the body_fun a solve hands its step loop
+    def __init__(self, body_fun):
+        self.body_fun = body_fun
+
+
+def _capture_body(cond_fun, body_fun, init_val, *, max_steps, buffers):
+    raise _Found(body_fun)
 
 
 # Slots of the inner loop, whose carry is a few integers: every carry is kept up to 3

@@ -329,3 +329,107 @@ def test_equinox_module_state_forward_and_reverse():
         jax.jit(jax.grad(functools.partial(energy, ours), (0, 1)))(k, y0),
         jax.grad(functools.partial(energy, unrolled), (0, 1))(k, y0),
     )
+
+
+# -- jvp_body_fun: a body with a jax.custom_vjp inside ------------------------------------
+
+
+def _custom_tanh(scale):
+    """tanh as a jax.custom_vjp whose rule is ``scale`` times the derivative (1: exact)."""
+
+    @jax.custom_vjp
+    def tanh(x):
+        return jnp.tanh(x)
+
+    tanh.defvjp(lambda x: (jnp.tanh(x), jnp.tanh(x)), lambda y, g: (scale * (1 - y**2) * g,))
+    return tanh
+
+
+def _twin_loss(loop, w, h0, tanh):
+    b = jnp.linspace(-0.5, 0.5, H)
+    step = lambda tanh: lambda s: (s[0] + 1, tanh(w @ s[1] + b))
+    cond = lambda s: s[0] < N
+    if loop == "twin":
+        _, h = memento.while_loop(cond, step(tanh), (0, h0), memory=3, jvp_body_fun=step(jnp.tanh))
+    else:
+        _, h = lax.fori_loop(0, N, lambda _, s: step(tanh)(s), (0, h0))
+    return jnp.sum(jnp.sin(h))
+
+
+def _modes(f, w, h0):
+    _, lin = jax.linearize(f, w, h0)
+    return [
+        jax.jvp(f, (w, h0), (w, h0)),
+        jax.jacfwd(f, 1)(w, h0),
+        lin(w, h0),
+        jax.grad(lambda w: jax.jvp(lambda h: f(w, h), (h0,), (h0,))[1])(w),
+        jax.hessian(f, 1)(w, h0),
+        jax.grad(lambda h: jnp.sum(jax.grad(f)(w, h) ** 2))(h0),
+    ]
+
+
+def test_jvp_body_fun_takes_every_derivative_but_the_gradient():
+    w, _, h0 = params(3)
+    exact = _custom_tanh(1.0)
+    twin = functools.partial(_twin_loss, "twin", tanh=exact)
+    ref = functools.partial(_twin_loss, "counted", tanh=jnp.tanh)
+    assert_close(jax.jit(_modes, static_argnums=0)(twin, w, h0), _modes(ref, w, h0))
+    # Under vmap too.
+    hs = jnp.stack([h0, -h0])
+    batched = jax.jit(jax.vmap(jax.hessian(twin, 1), (None, 0)))(w, hs)
+    assert_close(batched, jax.vmap(jax.hessian(ref, 1), (None, 0))(w, hs))
+    # Without it, JAX refuses forward mode through the custom_vjp.
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+
+        def plain(h):
+            step = lambda s: (s[0] + 1, exact(w @ s[1]))
+            return memento.while_loop(lambda s: s[0] < N, step, (0, h), memory=3)[1]
+
+        jax.jvp(plain, (h0,), (h0,))
+
+
+def test_the_gradient_runs_body_fun():
+    # A rule twice the derivative shows which body each derivative takes: the gradient
+    # body_fun's (and its program, that of the loop without jvp_body_fun), forward mode
+    # jvp_body_fun's.
+    w, _, h0 = params(4)
+    doubled = _custom_tanh(2.0)
+    twin = functools.partial(_twin_loss, "twin", tanh=doubled)
+    custom = functools.partial(_twin_loss, "counted", tanh=doubled)
+    assert_close(jax.grad(twin)(w, h0), jax.grad(custom)(w, h0))
+    exact = functools.partial(_twin_loss, "counted", tanh=jnp.tanh)
+    assert_close(jax.jvp(twin, (w, h0), (w, h0)), jax.jvp(exact, (w, h0), (w, h0)))
+
+    def alone(w, h0):
+        step = lambda s: (s[0] + 1, doubled(w @ s[1] + jnp.linspace(-0.5, 0.5, H)))
+        _, h = memento.while_loop(lambda s: s[0] < N, step, (0, h0), memory=3)
+        return jnp.sum(jnp.sin(h))
+
+    temp = lambda f: jax.jit(jax.grad(f)).lower(w, h0).compile().memory_analysis()
+    assert temp(twin).temp_size_in_bytes == temp(alone).temp_size_in_bytes
+
+
+def test_jvp_body_fun_must_match_body_fun():
+    h0 = jnp.ones(H)
+    body = lambda s: (s[0] + 1, jnp.tanh(s[1]))
+    other = lambda s: (s[0] + 1, jnp.tanh(s[1]).astype(jnp.float32))
+    with pytest.raises(TypeError, match="jvp_body_fun must be the same function as body_fun"):
+        memento.while_loop(lambda s: s[0] < N, body, (0, h0), memory=3, jvp_body_fun=other)
+
+    def writes(at):
+        def body(s):
+            i, h, buf = s
+            return i + 1, jnp.tanh(h), buf.at[at(i)].set(h)
+
+        return body
+
+    init = (0, h0, jnp.zeros((N + 1, H)))
+    with pytest.raises(TypeError, match="writes the buffers differently"):
+        memento.while_loop(
+            lambda s: s[0] < N,
+            writes(lambda i: i),
+            init,
+            memory=3,
+            buffers=lambda s: s[2],
+            jvp_body_fun=lambda s: (s[0] + 1, jnp.tanh(s[1]), s[2]),
+        )

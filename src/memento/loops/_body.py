@@ -157,6 +157,30 @@ class Body:
             self, const_mask=tuple(k), carry_mask=tuple(c), x_mask=tuple(x), y_mask=tuple(y)
         )
 
+    def twins(self, num_y: int) -> tuple[Body, Body]:
+        """This body, traced as two steps of the same carry and inputs that return
+        ``(carry, (y, carry_2, y_2))`` (``num_y`` leaves of ``y``), as the two bodies
+        ``(carry, y)`` and ``(carry_2, y_2)``: the same consts, each with only the
+        equations of its own outputs."""
+        if _dce_jaxpr is None:  # pragma: no cover - older or newer JAX
+            raise NotImplementedError("twin bodies need JAX's dce_jaxpr, absent in this JAX.")
+        n = len(self.carry_avals)
+        outs = list(self.jaxpr.outvars)
+
+        def part(outvars, y_avals):
+            return dataclasses.replace(
+                self,
+                jaxpr=_live(self.jaxpr.replace(outvars=outvars)),
+                y_tree=jax.tree_util.tree_structure([0] * len(y_avals)),
+                y_avals=y_avals,
+                y_mask=(),
+            )
+
+        return (
+            part(outs[: n + num_y], self.y_avals[:num_y]),
+            part(outs[n + num_y :], self.y_avals[num_y + n :]),
+        )
+
     def readonly_carry(self) -> tuple[bool, ...]:
         """Which carry leaves a step returns unchanged (the body's output carry *is* its
         input, not a copy or a computed equal): ``lax.scan`` and ``lax.while_loop`` move
@@ -348,9 +372,20 @@ def inputs_to_consts(jaxpr, mask: Sequence[bool]):
 
 try:  # JAX's own symbolic-zero analysis, as lax.scan's JVP uses; no public equivalent
     from jax._src.interpreters.ad import jvp_jaxpr as _jvp_jaxpr
-    from jax._src.interpreters.partial_eval import convert_constvars_jaxpr as _constvars_in
+    from jax._src.interpreters.partial_eval import (
+        convert_constvars_jaxpr as _constvars_in,
+        dce_jaxpr as _dce_jaxpr,
+    )
 except ImportError:  # pragma: no cover - older or newer JAX
-    _jvp_jaxpr = _constvars_in = None
+    _jvp_jaxpr = _constvars_in = _dce_jaxpr = None
+
+
+def _live(jaxpr):
+    """``jaxpr`` (constvars and invars kept, in order) without the equations that no
+    output needs."""
+    k = len(jaxpr.constvars)
+    opened, _ = _dce_jaxpr(_constvars_in(jaxpr), [True] * len(jaxpr.outvars), instantiate=True)
+    return inputs_to_consts(opened, [True] * k + [False] * (len(opened.invars) - k))
 
 
 def _depends(jaxpr, inputs: Sequence[bool]) -> list[bool]:

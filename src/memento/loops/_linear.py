@@ -48,6 +48,10 @@ class Loop(abc.ABC):
     def primal(self, args: Sequence) -> Leaves:
         """The outputs of the plain (unbudgeted) loop."""
 
+    def jvp_primal(self, args: Sequence) -> Leaves:
+        """`primal` as JAX differentiates it in forward mode (the tangent map's value)."""
+        return self.primal(args)
+
     @abc.abstractmethod
     def prepare(self, perturbed: tuple[bool, ...]) -> Any:
         """The plan for differentiating with respect to the ``perturbed`` float leaves;
@@ -282,7 +286,7 @@ class Tangent(LinearOp):
 
     def apply(self, res, lin):
         def floats(args):
-            return [o for o in self.loop.primal(args) if is_float(o)]
+            return [o for o in self.loop.jvp_primal(args) if is_float(o)]
 
         f, moving = _over(self.mask, res[: self.num_args], floats)
         return jax.jvp(f, moving, list(lin))[1]

@@ -94,6 +94,7 @@ def while_loop(
     return_truncated: bool = False,
     host_memory: int | float | str | Bytes | None = None,
     transfer_cost: float | tuple[float, float] | None = None,
+    jvp_body_fun: Callable | None = None,
 ) -> Any:
     """``jax.lax.while_loop`` that is reverse-mode differentiable within a memory budget.
 
@@ -169,6 +170,14 @@ def while_loop(
         transfer_cost: not used by this loop (`memento.scan`'s): its online policy places
             checkpoints on the host whatever a copy costs. Anything but ``None`` is a
             ``TypeError``.
+        jvp_body_fun: for a ``body_fun`` that JAX cannot differentiate in forward mode
+            (one holding a ``jax.custom_vjp``, such as Equinox's checkpointed loop): the
+            same function written so that it can, e.g. with a ``lax.scan`` in place of
+            the custom loop. ``body_fun`` then runs the loop and its gradient, and
+            ``jvp_body_fun`` every other derivative (``jvp``, ``jacfwd``, ``linearize``,
+            Hessians, ``grad`` of ``grad``). The two are traced together, once; their
+            carries and buffer writes must match (a ``TypeError``), and their values are
+            taken to be equal (not checked).
 
     Returns:
         The final carry, as ``lax.while_loop``; ``(final, truncated)`` with
@@ -183,7 +192,8 @@ def while_loop(
         TypeError: a body that changes the carry's structure, shapes or dtypes; a
             predicate that is not a scalar bool; a bad ``memory`` or ``max_steps``;
             ``buffers`` that are not arrays of the carry, a body that reads a buffer or
-            returns something else in its place; a bad ``host_memory``
+            returns something else in its place; a ``jvp_body_fun`` whose carry or
+            writes differ from ``body_fun``'s; a bad ``host_memory``
             (e.g. a float other than ``math.inf``); ``transfer_cost`` given.
         NotImplementedError: inside ``shard_map(check_vma=True)``, a predicate that
             varies over mesh axes (each device may stop at its own step) with a body
@@ -202,7 +212,8 @@ def while_loop(
     derivative beyond the first runs the loop of the step's JVP (the carry and its
     tangent, the buffers and theirs) as a `memento.while_loop` with the same
     ``max_steps``, ``memory`` and ``host_memory``. Forward mode needs a ``body_fun`` that
-    JAX can differentiate in forward mode (no ``jax.custom_vjp`` inside).
+    JAX can differentiate in forward mode (no ``jax.custom_vjp`` inside), or a
+    ``jvp_body_fun``.
 
     Notes:
         The step counter is int32: at most 2**31 - 2 steps. A budget above 128 slots that
@@ -270,10 +281,12 @@ def while_loop(
     buffer_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in buffers0]
     # What ``buf.at[i].get()`` reads: the value before the outermost loop that owns it.
     initials = [a if o is None else o.initial for o, a in zip(outer, buffers0)]
-    # Per write of one step: (buffer number, number of index leaves, conditional?).
-    writes: list = []
 
-    def as_step(c, x):
+    # Per write of one step: (buffer number, number of index leaves, conditional?).
+    def step_of(body_fun, writes):
+        return lambda c, x: as_step(body_fun, writes, c, x)
+
+    def as_step(body_fun, writes, c, x):
         # The carry without its buffers; the buffers are write-only stand-ins that
         # record what the body writes, returned as the step's outputs. ``active`` (a bool
         # input) says whether the step is taken: under vmap the batch steps until its
@@ -322,7 +335,13 @@ def while_loop(
 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
     paths = [p for p, b in zip(paths, is_buffer) if not b]
-    body = make_body(as_step, carry0, [jnp.bool_(True), *buffers0], name=_NAME, carry_paths=paths)
+    writes: list = []
+    x0 = [jnp.bool_(True), *buffers0]
+    if jvp_body_fun is None:
+        body = make_body(step_of(body_fun, writes), carry0, x0, name=_NAME, carry_paths=paths)
+        jvp_body = body
+    else:
+        body, jvp_body = _twins(step_of, body_fun, jvp_body_fun, writes, carry0, x0, paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
@@ -334,6 +353,7 @@ def while_loop(
     readonly = body.readonly_carry()
     fixed, carry0 = split(carry0, readonly)
     body = body.carry_to_consts(readonly, fixed)
+    jvp_body = jvp_body.carry_to_consts(readonly, fixed)
     fixed_in_full = _merge_buffers(readonly, [False] * len(buffers0), is_buffer)
     loop_cond = inputs_to_consts(cond_jaxpr, fixed_in_full)
     is_loop_buffer = [b for b, r in zip(is_buffer, fixed_in_full) if not r]
@@ -374,6 +394,7 @@ def while_loop(
     loop_cond_consts = [*cond_consts, *fixed]
     loop = _WhileLoop(
         body,
+        jvp_body,
         loop_cond,
         len(loop_cond_consts),
         slots,
@@ -410,6 +431,33 @@ def while_loop(
     # predicate ends with it false).
     still = jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *final)[0]
     return out, jnp.asarray(still, jnp.bool_)
+
+
+def _twins(step_of, body_fun, jvp_body_fun, writes, carry0, x0, paths) -> tuple[Body, Body]:
+    """The bodies of ``body_fun`` and of ``jvp_body_fun``, traced together so that they
+    share their consts; ``writes`` gets ``body_fun``'s."""
+    other: list = []
+    f, g = step_of(body_fun, writes), step_of(jvp_body_fun, other)
+    num_y: list = []
+
+    def both(c, x):
+        c_1, y_1 = f(c, x)
+        c_2, y_2 = g(c, x)
+        num_y[:] = [len(y_1)]
+        return c_1, (y_1, c_2, y_2)
+
+    joint = make_body(both, carry0, x0, name=_NAME, carry_paths=paths)
+    body, jvp_body = joint.twins(num_y[0])
+    n = len(body.carry_avals)
+    second = joint.y_avals[num_y[0] : num_y[0] + n]
+    if other != writes or [(a.shape, a.dtype) for a in second] != [
+        (a.shape, a.dtype) for a in body.carry_avals
+    ]:
+        raise TypeError(
+            f"{_NAME}: jvp_body_fun must be the same function as body_fun: it returns a "
+            "carry of other shapes or dtypes, or writes the buffers differently."
+        )
+    return body, jvp_body
 
 
 def _in_order(num_slots: int, carry_avals, arrays) -> bool:
@@ -696,6 +744,7 @@ class _WhileLoop(Loop):
     """
 
     body: Body
+    jvp_body: Body
     cond_jaxpr: Any
     num_cond_consts: int
     slots: int
@@ -727,20 +776,23 @@ class _WhileLoop(Loop):
         ok = self._cond(cond_consts, c, bufs)
         return ok if self.steps is None else jnp.logical_and(p < self.steps, ok)
 
-    def _step(self, consts, c, bufs, active=True):
-        c, ys = self.body(consts, c, [jnp.asarray(active), *bufs])
+    def _step(self, consts, c, bufs, active=True, body=None):
+        c, ys = (body or self.body)(consts, c, [jnp.asarray(active), *bufs])
         return c, _apply_writes(bufs, ys, self.write_spec)
 
-    def primal(self, args):
+    def primal(self, args, body=None):
         consts, cond_consts, init, bufs = self._parts(args)
 
         def body_fn(state):
             p, c, bufs = state
-            return p + 1, *self._step(consts, c, bufs)
+            return p + 1, *self._step(consts, c, bufs, body=body)
 
         state = (jnp.int32(0), init, bufs)
         _, c, bufs = lax.while_loop(lambda s: self._running(cond_consts, *s), body_fn, state)
         return [*c, *bufs]
+
+    def jvp_primal(self, args):
+        return self.primal(args, self.jvp_body)
 
     def prepare(self, perturbed):
         # Only what is perturbed, or depends on it, is differentiated. A buffer written
@@ -916,11 +968,11 @@ class _WhileLoop(Loop):
         differentiated value. One written whole (by a nested loop) is then a
         differentiated input of the step, its tangent carried from step to step: a
         fixed point, as `Body.restrict` finds the carry's."""
-        floats = [is_float(a) for a in self.body.x_avals[1:]]
+        floats = [is_float(a) for a in self.jvp_body.x_avals[1:]]
         places = _places(self.write_spec)
         whole = [False] * len(mb)
         while True:
-            b = self.body.restrict(mk, mc, [False, *whole])
+            b = self.jvp_body.restrict(mk, mc, [False, *whole])
             written = [False] * len(mb)
             for (j, n_idx, _), k in zip(self.write_spec, places):
                 written[j] = written[j] or b.y_mask[k if n_idx == _WHOLE else k + n_idx]
