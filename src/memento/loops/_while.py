@@ -618,6 +618,10 @@ class _Buffer(jax.Array):
         return f"memento.loops.Buffer({self.dtype}{list(self.shape)}, {len(self.writes)} writes)"
 
 
+# Older JAX declares jax.Array's methods abstract; a buffer implements the few it needs.
+_Buffer.__abstractmethods__ = frozenset()
+
+
 class _BufferAt:
     def __init__(self, buffer: _Buffer):
         self.buffer = buffer
