@@ -157,11 +157,14 @@ class CheckpointAdjoint(diffrax.AbstractAdjoint):
         if twin is not None:
             # The same steps with a stage loop JAX can differentiate in forward mode, for
             # the derivatives beyond the gradient: the step loop's body from a solve
-            # with that solver, stopped as it enters the loop.
+            # with that solver, stopped as it enters the loop. A solve that cannot be
+            # traced so keeps its gradient, and forward mode gives JAX's own error.
             try:
                 loop(solver=twin, outer_while_loop=_capture_body, **kwargs)
             except _Found as found:
                 jvp_step = found.body_fun
+            except Exception:
+                pass
         return loop(solver=solver, outer_while_loop=_outer_loop(self.memory, jvp_step), **kwargs)
 
 
