@@ -282,10 +282,6 @@ def while_loop(
     # What ``buf.at[i].get()`` reads: the value before the outermost loop that owns it.
     initials = [a if o is None else o.initial for o, a in zip(outer, buffers0)]
 
-    # Per write of one step: (buffer number, number of index leaves, conditional?).
-    def step_of(body_fun, writes):
-        return lambda c, x: as_step(body_fun, writes, c, x)
-
     def as_step(body_fun, writes, c, x):
         # The carry without its buffers; the buffers are write-only stand-ins that
         # record what the body writes, returned as the step's outputs. ``active`` (a bool
@@ -335,13 +331,14 @@ def while_loop(
 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
     paths = [p for p, b in zip(paths, is_buffer) if not b]
+    # Per write of one step: (buffer number, number of index leaves, conditional?).
     writes: list = []
     x0 = [jnp.bool_(True), *buffers0]
     if jvp_body_fun is None:
-        body = make_body(step_of(body_fun, writes), carry0, x0, name=_NAME, carry_paths=paths)
-        jvp_body = body
+        step = functools.partial(as_step, body_fun, writes)
+        body = jvp_body = make_body(step, carry0, x0, name=_NAME, carry_paths=paths)
     else:
-        body, jvp_body = _twins(step_of, body_fun, jvp_body_fun, writes, carry0, x0, paths)
+        body, jvp_body = _twins(as_step, body_fun, jvp_body_fun, writes, carry0, x0, paths)
     carry0 = body.cast_carry(carry0)  # a weakly typed init takes the body's dtype
     write_spec = tuple(writes)
     full0 = _merge_buffers(carry0, buffers0, is_buffer)
@@ -352,8 +349,9 @@ def while_loop(
     # become constants of the loop (of the body and of the predicate), out of the slots.
     readonly = body.readonly_carry()
     fixed, carry0 = split(carry0, readonly)
+    twin = jvp_body is not body
     body = body.carry_to_consts(readonly, fixed)
-    jvp_body = jvp_body.carry_to_consts(readonly, fixed)
+    jvp_body = jvp_body.carry_to_consts(readonly, fixed) if twin else body
     fixed_in_full = _merge_buffers(readonly, [False] * len(buffers0), is_buffer)
     loop_cond = inputs_to_consts(cond_jaxpr, fixed_in_full)
     is_loop_buffer = [b for b, r in zip(is_buffer, fixed_in_full) if not r]
@@ -433,11 +431,12 @@ def while_loop(
     return out, jnp.asarray(still, jnp.bool_)
 
 
-def _twins(step_of, body_fun, jvp_body_fun, writes, carry0, x0, paths) -> tuple[Body, Body]:
-    """The bodies of ``body_fun`` and of ``jvp_body_fun``, traced together so that they
-    share their consts; ``writes`` gets ``body_fun``'s."""
+def _twins(as_step, body_fun, jvp_body_fun, writes, carry0, x0, paths) -> tuple[Body, Body]:
+    """The bodies of ``body_fun`` and of ``jvp_body_fun`` (each stepped by ``as_step``),
+    traced together so that they share their consts; ``writes`` gets ``body_fun``'s."""
     other: list = []
-    f, g = step_of(body_fun, writes), step_of(jvp_body_fun, other)
+    f = functools.partial(as_step, body_fun, writes)
+    g = functools.partial(as_step, jvp_body_fun, other)
     num_y: list = []
 
     def both(c, x):
