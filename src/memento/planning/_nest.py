@@ -312,7 +312,7 @@ def plan_static(
 
     def consider(p: StaticPlan | None) -> None:
         nonlocal best
-        if p is None or p.peak_bytes > budget_bytes:
+        if p is None or _lone_segment(p) or p.peak_bytes > budget_bytes:
             return
         if seconds is not None:
             fits[p] = seconds(p)
@@ -344,6 +344,14 @@ def plan_static(
             key=lambda p: (p.program_loops, fits[p], p.evaluations, p.loop_iterations),
         )
     return best
+
+
+def _lone_segment(plan: StaticPlan) -> bool:
+    """Whether a plan of several pieces has a nest of one outer segment. XLA was seen to
+    keep the other pieces' buffers alive beside that segment's run again (its loop of one
+    trip is inlined), up to twice what `StaticPlan.peak_bytes` counts: such plans are not
+    considered."""
+    return len(plan.pieces) > 1 and any(len(p) > 1 and p[0] == 1 for p in plan.pieces)
 
 
 def _keep_last_step(pieces: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -406,6 +414,8 @@ def _with_suffix(num_steps: int, inner: tuple[int, ...], budget: float, sizes):
             hi = mid
         else:
             lo = mid + 1
+    if lo == 1 and num_steps // unit >= 2:
+        lo = 2  # one segment is a lone segment (`_lone_segment`); two fit if one does
     return plan(lo)
 
 
