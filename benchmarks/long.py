@@ -9,7 +9,7 @@ carry; gradient with respect to the initial carry):
 
 - ``lax_scan``: ``jax.lax.scan`` (stores every step's residuals);
 - ``memento_hsm`` / ``memento_auto``: ``memento.scan(..., memory=100, policy=...)``
-  (HSM as schedule rows below ``memento.loops._scan.recursion_min_steps()``, 2^16 steps on CPU,
+  (HSM as schedule rows below ``memento.planning.internals.recursion_min_steps("cpu")``, 2^16 steps on CPU,
   as the recursion on the device from there: no rows, O(slots) planning);
 - ``nested_sqrt``: a scan of ~sqrt(T) blocks, each a ``jax.checkpoint`` of a scan;
 - ``equinox``: ``equinox.internal.while_loop(kind="checkpointed", checkpoints=100)``

@@ -1,6 +1,6 @@
 """HSM as schedule rows against HSM as the device recursion; while_loop's time by budget.
 
-Two questions behind `memento.loops._scan.recursion_min_steps()` and the budget claims of
+Two questions behind `memento.planning.internals.recursion_min_steps("cpu")` and the budget claims of
 `memento.while_loop`:
 
 - ``scan``: the same gradient (``policy="hsm"``) run as a program of schedule rows

@@ -1,7 +1,7 @@
 """memento: reverse-mode gradients through long loops, under a memory budget.
 
 ``import memento`` loads only the NumPy planner. The JAX parts (`scan`, `while_loop`,
-`chain`, `bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `diffrax` with Diffrax
+`chain`, `explain`, `bytes_budget`, `fwdrev_grad`, `meta`, `loops`, and `diffrax` with Diffrax
 installed) load on first use, through the module ``__getattr__`` below; type checkers
 read their real signatures from the ``TYPE_CHECKING`` imports.
 """
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from .planning import (
     BpttComparison as BpttComparison,
     Op as Op,
+    Plan as Plan,
     Schedule as Schedule,
     ScheduleError as ScheduleError,
     SimulationResult as SimulationResult,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # what __getattr__ returns, for type checkers only (no jax at
     from .loops import (
         bytes_budget as bytes_budget,
         chain as chain,
+        explain as explain,
         scan as scan,
         while_loop as while_loop,
     )
@@ -45,6 +47,7 @@ _LAZY = {
     "scan": ("memento.loops", "scan"),
     "while_loop": ("memento.loops", "while_loop"),
     "chain": ("memento.loops", "chain"),
+    "explain": ("memento.loops", "explain"),
     "bytes_budget": ("memento.loops", "bytes_budget"),
     "fwdrev_grad": ("memento.meta", "fwdrev_grad"),
     "meta": ("memento.meta", None),

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 import memento
 from memento.loops._body import platform
+from memento.planning import internals
 
 
 def cell(c, x):
@@ -43,4 +44,4 @@ def test_the_plan_follows_the_platform(monkeypatch):
     xs = jnp.ones((50, 4))
     s = memento.loops.scan_schedule(cell, jnp.ones(4), xs, memory=3, policy="hsm")
     assert seen == ["cpu"] and s.policy == "hsm"
-    assert _scan.recursion_min_steps("gpu") == 1 < _scan.recursion_min_steps("cpu")
+    assert internals.recursion_min_steps("gpu") == 1 < internals.recursion_min_steps("cpu")

@@ -14,6 +14,7 @@ from jax import lax
 import memento
 from memento.loops import _budget, _scan
 from memento.loops._interpreter import compile_schedule
+from memento.planning import internals
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
@@ -89,13 +90,13 @@ def test_auto_charges_the_rows_by_backend():
     # The rows' per-step charge applies where HSM would run as the recursion: on a GPU
     # with executor="auto", never with the executor forced (then every policy runs as
     # forced), and on CPU below 2^16 steps HSM runs on the rows too.
-    gpu = _scan.auto_charges(1000, "auto", "gpu")
+    gpu = internals.auto_charges(1000, "auto", "gpu")
     assert (
         gpu.rows_step == 1.25 and gpu.internal == memento.planning.internals.INTERNAL_STATE_CHARGE
     )
     for args in [(1000, "rows", "gpu"), (1000, "recursion", "gpu"), (1000, "auto", "cpu"),
                  (2**16, "auto", "cpu"), (1000, "auto", "tpu")]:  # fmt: skip
-        assert _scan.auto_charges(*args).rows_step == 0, args
+        assert internals.auto_charges(*args).rows_step == 0, args
 
 
 def test_the_gpu_rows_charge_is_what_the_h200_measured():
@@ -110,13 +111,13 @@ def test_the_gpu_rows_charge_is_what_the_h200_measured():
     dt = at[50, "auto", "auto"]["steady_s"] - at[250, "hsm", "auto"]["steady_s"]
     evals = at[50, "auto", "auto"]["cost_per_step"] - at[250, "hsm", "auto"]["cost_per_step"]
     measured = extra / (dt / evals)  # evaluations a step
-    charge = _scan.auto_charges(1000, "auto", "gpu").rows_step
+    charge = internals.auto_charges(1000, "auto", "gpu").rows_step
     assert abs(measured - charge) < 0.05, measured
     alpha = at[250, "auto", "auto"]["alpha"]
     for slots in (50, 250):
         fastest = min((r for r in rows if r["slots"] == slots), key=lambda r: r["steady_s"])
         gpu = _budget.choose_policy(1000, slots, alpha, "auto", name="t",
-                                    charges=_scan.auto_charges(1000, "auto", "gpu"))  # fmt: skip
+                                    charges=internals.auto_charges(1000, "auto", "gpu"))  # fmt: skip
         assert gpu == fastest["planned"] == "hsm", slots
     cpu = _budget.choose_policy(1000, 250, alpha, "auto", name="t")
     assert cpu == at[250, "auto", "auto"]["planned"] == "msm"
@@ -125,7 +126,7 @@ def test_the_gpu_rows_charge_is_what_the_h200_measured():
     for t, a, cpu_msm_from in [(1000, 8, 100), (10**4, 4, 10)]:
         for slots in (10, 50, 100, 250):
             picks = [_budget.choose_policy(t, slots, a, "auto", name="t",
-                                           charges=_scan.auto_charges(t, "auto", backend))
+                                           charges=internals.auto_charges(t, "auto", backend))
                      for backend in ("cpu", "gpu")]  # fmt: skip
             assert picks == ["msm" if slots >= cpu_msm_from else "hsm", "hsm"], (t, slots)
 

@@ -13,8 +13,8 @@ from jax import lax
 from test_scan import COUNTS_RUN, counting_cell, rnn_params, x64  # noqa: F401 (x64: float64, autouse)
 
 import memento
-from memento.loops import _recursion, _scan
-from memento.planning import Op
+from memento.loops import _recursion
+from memento.planning import Op, internals
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 30, 200])
@@ -87,7 +87,7 @@ def test_long_scans_trace_in_constant_size():
         xs = jax.ShapeDtypeStruct((t,), jnp.float32)
         return jax.jit(jax.grad(loss)).lower(jnp.ones(4), xs).as_text()
 
-    assert _scan.recursion_min_steps() <= 2**20
+    assert internals.recursion_min_steps("cpu") <= 2**20
     small, large = hlo(2**20), hlo(10**8)
     assert len(large.splitlines()) == len(small.splitlines())
 

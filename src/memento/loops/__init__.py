@@ -1,7 +1,7 @@
 """JAX executors of checkpointing schedules: `scan`, `while_loop`, `chain`.
 
-`scan_schedule` is the schedule `scan` follows, for given arguments, without running it;
-`chain_plan`, the plan `chain` follows.
+`explain` is what `scan`'s gradient will run, and why, for given arguments, without
+running it (`scan_schedule`, its schedule alone); `chain_plan`, the plan `chain` follows.
 """
 
 from .. import _needs_jax  # noqa: F401  (first: without it, an ImportError naming the extra)
@@ -17,7 +17,7 @@ from ._chain import (
     chain_plan as chain_plan,
     scan_layers as scan_layers,
 )
-from ._scan import scan as scan, scan_schedule as scan_schedule
+from ._scan import explain as explain, scan as scan, scan_schedule as scan_schedule
 from ._while import _Buffer as Buffer, while_loop as while_loop
 
 # Shared with memento.diffrax and the command line (one reading of budgets): `Bytes`
@@ -32,6 +32,7 @@ __all__ = [
     "bytes_budget",
     "chain",
     "chain_plan",
+    "explain",
     "parse_memory",
     "scan",
     "scan_layers",

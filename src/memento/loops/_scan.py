@@ -12,16 +12,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..planning import Policy, Schedule, hsm_cost, plan
-from ..planning._host import check_host
+from ..planning import Plan, Policy, Schedule, hsm_cost, plan
 from ..planning.internals import (
+    Executor,
+    Request,
     StaticPlan,
-    as_int,
-    check_policy,
+    auto_charges,
+    host_slots,
     loop_costs,
     loop_seconds,
     nest_schedule,
     plan_static,
+    read_request,
+    recursion_min_steps,
     step_seconds,
 )
 from . import _recursion, _static
@@ -40,12 +43,10 @@ from ._body import (
 )
 from ._budget import (
     Bytes,
-    Charges,
     Percent,
     choose_policy,
     choose_schedule,
     internal_slots,
-    parse_memory,
     to_slots,
 )
 from ._interpreter import (
@@ -123,12 +124,17 @@ def scan(
     Example:
         >>> carry, ys = memento.scan(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
     """
-    policy = check_policy(_NAME, policy)
-    executor = check_executor(_NAME, executor, policy)
-    host = check_host_memory(_NAME, host_memory, transfer_cost, memory, policy, executor)
-    if memory is None:
+    request = read_request(
+        _NAME,
+        "scan",
+        memory=memory,
+        policy=policy,
+        executor=executor,
+        host_memory=host_memory,
+        transfer_cost=transfer_cost,
+    )
+    if request.memory is None:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
-    budget = parse_memory(memory, name=_NAME)
     num_steps, x_leaves = _steps(xs, length, reverse, name=_NAME)
     if num_steps == 0:
         return lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
@@ -139,15 +145,11 @@ def scan(
             "or use memory=None (lax.scan)."
         )
     body, init_leaves, readonly, fixed = _trace(f, init, xs, x_leaves, name=_NAME)
-    slots = _slots(budget, nbytes(body.carry_avals), name=_NAME)
     plan = functools.partial(
         _plan,
+        request=request,
         num_steps=num_steps,
-        slots=slots,
-        policy=policy,
-        executor=executor,
-        host=_host_slots(host, nbytes(body.carry_avals), name=_NAME),
-        budget=budget,
+        slots=_slots(request.memory, nbytes(body.carry_avals), name=_NAME),
         backend=platform(init, xs),
     )
 
@@ -174,6 +176,57 @@ def scan(
 _WRT: tuple[Literal["closure", "init", "xs"], ...] = ("closure", "init", "xs")
 
 
+def explain(
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    *,
+    memory: int | str | Bytes,
+    policy: Policy = "auto",
+    length: int | None = None,
+    reverse: bool = False,
+    wrt: Sequence[Literal["closure", "init", "xs"]] = _WRT,
+    executor: Executor = "auto",
+    host_memory: int | float | str | Bytes | None = None,
+    transfer_cost: float | tuple[float, float] | None = None,
+) -> Plan:
+    """What `memento.scan`'s gradient of ``scan(f, init, xs, ...)`` will run, and why.
+
+    The plan is chosen exactly as `memento.scan` chooses it when the gradient is traced
+    (the same alpha measured from the step's residuals, the same executor, the same refit
+    of the budget), for the platform of ``init`` and ``xs``. Traces ``f`` once,
+    abstractly; compiles and runs nothing. ``print(plan)`` says it in one paragraph.
+
+    Args:
+        f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
+        memory, policy, length, reverse, executor, host_memory, transfer_cost: as
+            `memento.scan` (keyword-only here);
+            ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
+        wrt: what the gradient is taken with respect to, since alpha is measured from
+            the residuals of what is differentiated: any of ``"closure"`` (every float
+            array ``f`` closes over), ``"init"`` and ``"xs"`` (their float leaves).
+
+    Returns:
+        The `memento.planning.Plan`: the executor and policy, the slots, the forward
+        evaluations, the predicted bytes and seconds, and the schedule (for
+        `memento.planning.simulate`). Under ``vmap`` `memento.scan` sizes one batch
+        member: pass unbatched ``init`` and ``xs``.
+
+    Raises:
+        ValueError, TypeError: as `memento.scan`; ``memory=None``, an empty loop, or a
+            ``wrt`` outside ``("closure", "init", "xs")``.
+
+    Example:
+        >>> plan = memento.explain(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
+        >>> plan.executor, plan.program_bytes  # doctest: +SKIP
+    """
+    return _explain(
+        "memento.explain", f, init, xs, memory=memory, policy=policy, length=length,
+        reverse=reverse, wrt=wrt, executor=executor, host_memory=host_memory,
+        transfer_cost=transfer_cost,
+    )  # fmt: skip
+
+
 def scan_schedule(
     f: Callable,
     init: Any,
@@ -188,76 +241,119 @@ def scan_schedule(
     host_memory: int | float | str | Bytes | None = None,
     transfer_cost: float | tuple[float, float] | None = None,
 ) -> Schedule:
-    """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``.
-
-    To see, draw or price the plan before compiling anything: the schedule is chosen
-    exactly as `memento.scan` chooses it when the gradient is traced (the same alpha
-    measured from the step's residuals, the same refit of the budget to the pools).
-    Traces ``f`` once, abstractly; runs nothing.
-
-    Args:
-        f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
-        memory, policy, length, reverse, executor, host_memory, transfer_cost: as
-            `memento.scan` (keyword-only here);
-            ``memory`` is required (``None`` is ``lax.scan``, which follows no schedule).
-        wrt: what the gradient is taken with respect to, since alpha is measured from
-            the residuals of what is differentiated: any of ``"closure"`` (every float
-            array ``f`` closes over), ``"init"`` and ``"xs"`` (their float leaves).
+    """The schedule `memento.scan` follows for a gradient of ``scan(f, init, xs, ...)``:
+    `explain`'s ``plan.schedule`` (same arguments).
 
     Returns:
         The `Schedule`; ``schedule.policy`` is the policy ``"auto"`` picked and
-        ``schedule.cost`` the forward evaluations of ``f`` per gradient. Under ``vmap``
-        `memento.scan` sizes one batch member: pass unbatched ``init`` and ``xs``.
-
-    Raises:
-        ValueError, TypeError: as `memento.scan`; ``memory=None``, an empty loop, or a
-            ``wrt`` outside ``("closure", "init", "xs")``.
+        ``schedule.cost`` the forward evaluations of ``f`` per gradient.
 
     Example:
         >>> s = memento.loops.scan_schedule(cell, h0, inputs, memory="64MiB")  # doctest: +SKIP
         >>> s.policy, s.cost  # doctest: +SKIP
     """
-    name = "memento.loops.scan_schedule"
-    policy = check_policy(name, policy)
-    executor = check_executor(name, executor, policy)
-    host = check_host_memory(name, host_memory, transfer_cost, memory, policy, executor)
+    return _explain(
+        "memento.loops.scan_schedule", f, init, xs, memory=memory, policy=policy,
+        length=length, reverse=reverse, wrt=wrt, executor=executor,
+        host_memory=host_memory, transfer_cost=transfer_cost,
+    ).schedule  # fmt: skip
+
+
+def _explain(name, f, init, xs, *, memory, policy, length, reverse, wrt, executor,
+             host_memory, transfer_cost) -> Plan:  # fmt: skip
+    request = read_request(
+        name,
+        "scan",
+        memory=memory,
+        policy=policy,
+        executor=executor,
+        host_memory=host_memory,
+        transfer_cost=transfer_cost,
+    )
     if isinstance(wrt, str) or not set(wrt) <= set(_WRT):
         raise ValueError(
             f"{name}: wrt must be a collection of 'closure', 'init' and 'xs', got {wrt!r}."
         )
-    if memory is None:
+    if request.memory is None:
         raise ValueError(
             f"{name}: memory=None is lax.scan, which keeps every step and follows no "
             "schedule; pass a budget (slots, '256MiB' or memento.bytes_budget(n))."
         )
-    budget = parse_memory(memory, name=name)
     num_steps, x_leaves = _steps(xs, length, reverse, name=name)
     if num_steps == 0:
         raise ValueError(f"{name}: a scan of 0 steps runs lax.scan and has no schedule.")
     body, _, readonly, _ = _trace(f, init, xs, x_leaves, name=name)
-    slots = _slots(budget, nbytes(body.carry_avals), name=name)
+    slots = _slots(request.memory, nbytes(body.carry_avals), name=name)
     num_closure = len(body.consts) - sum(readonly)  # read-only carry leaves come last
     body = body.restrict(
         ["closure" in wrt] * num_closure + ["init" in wrt] * sum(readonly),
         ["init" in wrt] * len(body.carry_avals),
         ["xs" in wrt] * len(body.x_avals),
     )
-    _, schedule, prog, _ = _plan(
-        body,
-        num_steps=num_steps,
-        slots=slots,
-        policy=policy,
-        executor=executor,
-        name=name,
-        rows=True,
-        host=_host_slots(host, nbytes(body.carry_avals), name=name),
-        budget=budget,
-        backend=platform(init, xs),
+    backend = platform(init, xs)
+    spec, schedule, prog, slots = _plan(
+        body, request=request, num_steps=num_steps, slots=slots, backend=backend, rows=True
     )
+    return _describe(body, spec, schedule, prog, slots, request, num_steps, backend)
+
+
+def _describe(body, spec, schedule, prog, slots, request, num_steps, backend) -> Plan:
+    """The `Plan` of what `_plan` chose (``rows=True``), with its predicted bytes and
+    seconds as the planner counts them."""
+    sizes = _static_sizes(body, spec)
+    profile = step_profile(body)
+    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+    forced = request.executor != "auto"
     if isinstance(prog, StaticPlan):
-        return nest_schedule(prog)
-    assert schedule is not None  # rows=True always plans one
-    return schedule
+        full = StaticPlan(
+            prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level,
+            sizes.whole, sizes.piece,
+        )  # fmt: skip
+        whole = prog.pieces == ((num_steps,),)
+        why = (
+            "the budget holds every step's internal state: one lax.scan, as lax.scan's own gradient"
+            if whole
+            else f"nested lax.scans of static lengths {list(map(list, prog.pieces))}"
+            + ("" if forced else ", predicted fastest of the plans that fit")
+        )
+        return Plan(
+            request, backend, num_steps, "static", "store all" if whole else "nest",
+            slots, prog.evaluations, prog.loop_iterations,
+            full.peak_bytes + sizes.fixed - sizes.accumulators,
+            _static_seconds(prog, step=step, backend=backend), nest_schedule(prog),
+            why[0].upper() + why[1:] + ".",
+        )  # fmt: skip
+    assert schedule is not None  # rows=True plans one
+    if prog is None:
+        evaluations = iterations = hsm_cost(num_steps, slots)
+        per_slot = sizes.carry + 4 + 12 * checks_enabled()
+        program = slots * per_slot + sizes.fixed
+        why = (
+            "asked for"
+            if forced
+            else f"HSM runs as the recursion from {recursion_min_steps(backend):,} steps "
+            f"on {backend}"
+            if num_steps >= recursion_min_steps(backend)
+            else "the schedule's rows would not fit the byte budget; the recursion keeps none"
+        )
+        why = f"HSM's binomial recursion on the device, O(slots) state ({why})."
+        executor: Literal["rows", "recursion"] = "recursion"
+    else:
+        evaluations = schedule.cost
+        iterations = evaluations + len(prog.primal_rows)
+        program = pool_bytes(prog, body, spec) + prog.runtime_bytes + sizes.fixed
+        why = (
+            f"The optimal {schedule.policy.upper()} schedule of Gruslys et al. as rows of "
+            f"data ({prog.runtime_bytes:,} bytes) read by one loop"
+            + ("." if forced else ", predicted faster than the static nests that fit.")
+        )
+        executor = "rows"
+    return Plan(
+        request, backend, num_steps, executor, schedule.policy, slots, evaluations,
+        iterations, program,
+        loop_seconds(evaluations, iterations, executor, step=step, backend=backend),
+        schedule, why,
+    )  # fmt: skip
 
 
 def _slots(budget: int | Bytes | Percent, carry_bytes: int, *, name: str) -> int | Percent:
@@ -329,154 +425,12 @@ def _compile(schedule: Schedule) -> Program:
     return compile_schedule(schedule)
 
 
-# Between the rows and the recursion, HSM runs as the recursion from
-# `recursion_min_steps()` steps on: both make the optimal schedule's evaluations, the
-# recursion with O(slots) state and no rows to plan or compile (on a GPU XLA compiles the
-# rows slowly, and on CPU the recursion's first call is faster from about 1e5 steps on;
-# benchmarks/results/recursion.json and gpu/recursion.json).
-_RECURSION_FROM = {"cpu": 2**16}  # on other platforms: 1
-
-Executor = Literal["auto", "static", "rows", "recursion"]
-_EXECUTORS = ("auto", "static", "rows", "recursion")
-
-
-def recursion_min_steps(backend: str | None = None) -> int:
-    """The length from which ``executor="auto"`` runs an HSM scan as the recursion, on
-    ``backend`` (default: JAX's default backend): 2**16 on CPU, 1 elsewhere."""
-    return _RECURSION_FROM.get(backend or jax.default_backend(), 1)
-
-
-# What a step on the rows costs beyond one on the recursion, in forward evaluations, by
-# platform (`Charges.rows_step`): a schedule row read and a branch per loop iteration,
-# which the recursion does not pay. From the GPU runs of benchmarks/gpu_policy.py
-# (results/gpu/lstm_policy.json); on CPU the two cost alike per step.
-_ROWS_STEP_CHARGE = {"gpu": 1.25}
-
-
-def auto_charges(num_steps: int, executor: Executor, backend: str | None = None) -> Charges:
-    """The `Charges` under which ``policy="auto"`` picks a plan for ``num_steps`` steps
-    run by ``executor`` on ``backend`` (default: JAX's default backend): the pool's
-    charge per internal state stored and, where HSM would run as the recursion and ISM
-    and MSM on the rows, the rows' measured extra per step (`_ROWS_STEP_CHARGE`)."""
-    backend = backend or jax.default_backend()
-    recursion = executor == "auto" and num_steps >= recursion_min_steps(backend)
-    return Charges(rows_step=_ROWS_STEP_CHARGE.get(backend, 0.0) if recursion else 0.0)
-
-
-def check_executor(name: str, executor, policy: Policy) -> Executor:
-    """``executor`` validated at the boundary (see `memento.scan`)."""
-    if executor not in _EXECUTORS:
-        raise ValueError(f"{name}: executor must be one of {_EXECUTORS}, got {executor!r}.")
-    if executor == "static" and policy != "auto":
-        raise ValueError(
-            f"{name}: executor='static' runs its own family of plans (nested segments), "
-            f"chosen for the budget by policy='auto'; got policy={policy!r}. Use "
-            "executor='rows' (any policy) or 'recursion' (HSM) for the paper's schedules."
-        )
-    if executor == "recursion" and policy not in ("hsm", "auto"):
-        raise ValueError(
-            f"{name}: executor='recursion' runs HSM's binomial recursion, so policy must "
-            f"be 'hsm' or 'auto' (which then plans HSM); got policy={policy!r}. Use "
-            "executor='rows' or 'auto' for ISM and MSM."
-        )
-    return executor
-
-
-HostBudget = tuple[int | float | Bytes, tuple[float, float]] | None
-
-
-def parse_host_memory(name: str, host_memory) -> int | float | Bytes | None:
-    """``host_memory=`` as given, validated: ``None``, an int number of host slots
-    (``>= 0``), `Bytes` (a size string or `memento.bytes_budget`) or ``math.inf``.
-
-    Raises:
-        TypeError: anything else (a float other than ``math.inf``, a bool).
-        ValueError: a negative number of slots, an unreadable size string.
-    """
-    if isinstance(host_memory, str | Bytes):
-        budget = parse_memory(host_memory, name=name, arg="host_memory")
-        if isinstance(budget, Percent):
-            raise ValueError(
-                f"{name}: host_memory={host_memory!r} is a percentage; host_memory takes "
-                "carry-sized slots, a size such as '16GiB', or math.inf."
-            )
-        return budget
-    if isinstance(host_memory, float) and host_memory == math.inf:
-        return math.inf
-    if host_memory is None:
+def _host_slots(request: Request, carry_bytes: int):
+    """``(slots or math.inf, (write, read))`` of a request's host level, or None."""
+    if request.host is None:
         return None
-    n = as_int(host_memory)
-    if n is None:
-        raise TypeError(
-            f"{name}: host_memory must be None, an int number of carry-sized host "
-            "slots, a size string such as '16GiB', memento.bytes_budget(n) or "
-            f"math.inf; got {host_memory!r}."
-        )
-    if n < 0:
-        raise ValueError(
-            f"{name}: host_memory={n} slots is negative; pass 0 or None for no "
-            "host level, or a number of host slots (math.inf: unbounded)."
-        )
-    return n
-
-
-def check_host_memory(
-    name: str, host_memory, transfer_cost, memory, policy: Policy, executor: Executor
-) -> HostBudget:
-    """``host_memory=`` and ``transfer_cost=`` validated at the boundary: ``None`` for one
-    level, else ``(host, (write, read))`` with ``host`` slots, `Bytes` or ``math.inf``."""
-    host = parse_host_memory(name, host_memory)
-    probe = 1 if isinstance(host, Bytes) else host  # validates transfer_cost below
-    _, pair, _ = check_host(name, "hsm", probe, transfer_cost, "step")
-    if not host:
-        return None
-    if memory is None:
-        raise ValueError(
-            f"{name}: host_memory={host_memory!r} needs a device budget too: memory=None is "
-            "lax.scan, which keeps everything on the device; pass memory= (slots or bytes)."
-        )
-    if executor == "recursion":
-        raise ValueError(
-            f"{name}: host_memory={host_memory!r} runs on the rows executor; the recursion "
-            "(executor='recursion') keeps every slot on the device. Use executor='rows' or "
-            "'auto'."
-        )
-    if policy == "ism":
-        raise ValueError(
-            f"{name}: host_memory={host_memory!r} plans HSM or MSM on two levels; "
-            "policy='ism' has no two-level plan. Use policy='msm', 'hsm' or 'auto'."
-        )
-    return host, pair
-
-
-def host_slots(budget: int | float | Bytes, carry_bytes: int, *, name: str) -> int | float:
-    """Carry-sized host slots (or ``math.inf``) of a budget from `parse_host_memory`;
-    0 for a byte budget of 0 bytes.
-
-    Raises:
-        ValueError: a byte budget that holds no carry (a host level that could never be
-            used; ask for ``None`` or 0 to plan one level).
-    """
-    if not isinstance(budget, Bytes):
-        return budget
-    if budget.num_bytes == 0:
-        return 0
-    slots = budget.num_bytes // max(carry_bytes, 1)
-    if slots < 1:
-        raise ValueError(
-            f"{name}: host_memory={budget.num_bytes} bytes holds no carry "
-            f"({carry_bytes} bytes); raise it, or pass None for no host level."
-        )
-    return slots
-
-
-def _host_slots(host: HostBudget, carry_bytes: int, *, name: str):
-    """``(slots or math.inf, (write, read))`` of a validated host budget, or None."""
-    if host is None:
-        return None
-    budget, pair = host
-    slots = host_slots(budget, carry_bytes, name=name)
-    return (slots, pair) if slots else None
+    slots = host_slots(request.host, carry_bytes, name=request.name)
+    return (slots, request.transfer) if slots else None
 
 
 def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
@@ -489,18 +443,15 @@ def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
 def _plan(
     body: Body,
     *,
+    request: Request,
     num_steps: int,
     slots: int | Percent,
-    policy: Policy,
-    executor: Executor = "auto",
-    name: str = _NAME,
-    rows: bool = False,
-    host: tuple[int | float, tuple[float, float]] | None = None,
-    budget: int | Bytes | Percent | None = None,
     backend: str,
+    rows: bool = False,
 ):
     """The residuals, schedule, program and budget for a body differentiated as ``body``
-    says, run on ``backend`` (`platform`: it sets the time model's constants).
+    says, as ``request`` asks (``slots``: its memory in slots, `_slots`), run on
+    ``backend`` (`platform`: it sets the time model's constants).
 
     Runs when the gradient is traced (the forward rule), once the perturbed inputs are
     known: the paper's alpha is measured from the residuals actually differentiated, and a
@@ -513,15 +464,22 @@ def _plan(
     dtypes or shapes, see `_pool.Pools`), the schedule is planned again for fewer slots
     until they fit.
 
-    With ``host`` (``(host slots, (write, read))``), the two-level plan on the rows; its
-    host pools are refitted to the host budget the same way.
+    With a host level, the two-level plan on the rows; its host pools are refitted to
+    the host budget the same way.
 
     Returns:
         ``(spec, schedule, program, slots)``: ``program`` is None for the recursion,
         ``slots`` the capped budget it runs in.
     """
+    name, policy, executor, budget = (
+        request.name,
+        request.policy,
+        request.executor,
+        request.memory,
+    )
     spec = body.residual_spec()
     carry_bytes = nbytes(body.carry_avals)
+    host = _host_slots(request, carry_bytes)
     alpha = internal_slots(nbytes(spec.stored), carry_bytes)
     need = useful_slots(num_steps, alpha, "auto")
     slots = min(to_slots(slots, carry_bytes, name=name, need=need), need)
@@ -529,7 +487,9 @@ def _plan(
         return _plan_two_level(
             body, spec, num_steps, slots, alpha, policy, host, carry_bytes, name=name
         )
-    budget = slots if budget is None else budget
+    assert budget is not None  # memory=None is lax.scan, which plans nothing
+    if not isinstance(budget, Bytes):
+        budget = slots  # a percentage, resolved
     sizes = _static_sizes(body, spec)
     static = None
     mapped = _static_unavailable(body)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import numbers
 import warnings
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
 from ..planning import online_events
+from ..planning.internals import host_slots, read_request
 from . import _recursion
 from ._body import (
     Body,
@@ -62,11 +62,10 @@ from ._body import (
     to_floats,
     varying_in_step,
 )
-from ._budget import Bytes, Percent, parse_memory, to_slots
+from ._budget import Bytes, to_slots
 from ._interpreter import SMALL_ARRAY_BYTES, read_index, read_table
 from ._linear import Loop, differentiable
 from ._pool import _convert_element_type, under_forward_mode, varying
-from ._scan import host_slots, parse_host_memory
 
 _NAME = "memento.while_loop"
 # Above this many slots the online policy's planning (Python, once per (memory,
@@ -230,38 +229,16 @@ def while_loop(
         ...     return memento.while_loop(lambda s: s[1] > 1e-6, step, (x, 1.0),
         ...                               max_steps=10_000, memory=16)
     """
-    if transfer_cost is not None:
-        raise TypeError(
-            f"{_NAME}: transfer_cost= (got {transfer_cost!r}) is memento.scan's: the while "
-            "loop's online policy places its checkpoints on the host whatever a copy costs "
-            "(it weighs no transfers), so it has no use for one; drop transfer_cost."
-        )
     steps = _check_max_steps(max_steps)
-    if memory is None and steps is None:
-        raise ValueError(
-            f"{_NAME}: memory=None keeps every carry, which needs max_steps; pass a budget "
-            "(e.g. memory=16 slots or memory='64MiB') or max_steps."
-        )
-    budget = None if memory is None else parse_memory(memory, name=_NAME)
-    if isinstance(budget, Percent) and steps is None:
-        raise ValueError(
-            f"{_NAME}: memory={memory!r} is a share of storing every carry, max_steps + 1 "
-            "slots, so it needs max_steps; pass max_steps, or a budget in slots or bytes "
-            "(e.g. memory=16 or memory='64MiB')."
-        )
-    host_budget = parse_host_memory(_NAME, host_memory)
-    if host_budget is not None and memory is None:
-        raise ValueError(
-            f"{_NAME}: host_memory={host_memory!r} needs a device budget too: memory=None "
-            "keeps every carry on the device; pass memory= (slots or bytes) for the "
-            "backward's recomputation on the device."
-        )
-    if host_budget == math.inf and steps is None:
-        raise ValueError(
-            f"{_NAME}: host_memory=math.inf keeps every carry on the host, which needs "
-            "max_steps (the host slots are allocated before the loop runs); pass max_steps "
-            "or a finite host_memory (slots or bytes)."
-        )
+    request = read_request(
+        _NAME,
+        "while_loop",
+        memory=memory,
+        host_memory=host_memory,
+        transfer_cost=transfer_cost,
+        bounded=steps is not None,
+    )
+    budget, host_budget = request.memory, request.host
 
     init_leaves, init_tree = jax.tree_util.tree_flatten(init_val)
     is_buffer = _buffer_mask(buffers, init_val, init_leaves)

@@ -8,7 +8,9 @@ replayed `Schedule` under the same memory model: `store_all` (plain BPTT), `stor
 `chen_sqrt`, `chen_recursive`, `revolve` (with `revolve_cost`); `compare_to_bptt`
 reports any schedule's memory saved and predicted time. Reading a schedule: `walk`
 yields its rows (`Row`) checked and annotated, `simulate` replays it, and
-`step_evaluations` counts each step's evaluations. Budgets: `bytes_budget`.
+`step_evaluations` counts each step's evaluations. Budgets: `bytes_budget`. What
+`memento.explain` returns: `Plan` (what a scan's gradient will run, and why), of a
+`Request` (a loop's arguments, validated).
 
 What the executors share beyond this (reading ``memory=``, choosing the schedule to run,
 walking it) is in `memento.planning.internals`.
@@ -38,6 +40,7 @@ from ._online import (
     online_evaluations as online_evaluations,
     online_events as online_events,
 )
+from ._request import Plan as Plan, Request as Request
 from ._schedule import (
     Op as Op,
     Row as Row,
@@ -55,7 +58,9 @@ __all__ = [
     "Charges",
     "OnlineEvents",
     "Op",
+    "Plan",
     "Policy",
+    "Request",
     "Row",
     "Schedule",
     "ScheduleError",

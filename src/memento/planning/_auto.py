@@ -70,7 +70,7 @@ class Charges:
         rows_step: per step, for a plan that runs on the rows (ISM and MSM) where HSM
             would run as the recursion, which reads no schedule. 0 where the two cost
             alike per step (CPU); `memento.scan` passes a calibrated charge on a GPU
-            (see ``memento.loops._scan.auto_charges``). The rows' extra is in the primal rows
+            (see ``memento.planning.internals.auto_charges``). The rows' extra is in the primal rows
             that the backward runs between its steps, about one per recomputation, so a
             plan that recomputes less than once a step is charged that fraction: one
             that stores every step (a budget for all of them) runs none and is charged

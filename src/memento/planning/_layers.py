@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import numpy as np
 
-from ._budget import Bytes, Percent, parse_memory
+from ._budget import Bytes, Percent
 from ._chain import plan_chain_bytes
+from ._request import CHAIN_POLICIES, ChainPolicy, read_request
 from ._schedule import Schedule, step_evaluations
 
 __all__ = ["CHAIN_POLICIES", "ChainPlan", "ChainPolicy", "check_layers", "plan_layers"]
-
-ChainPolicy = Literal["auto", "hsm", "msm"]
-CHAIN_POLICIES: tuple[ChainPolicy, ...] = ("auto", "hsm", "msm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +88,7 @@ def check_layers(
                 f"{name}: {what}[{p}] is not callable ({type(f).__name__}); every layer must "
                 "be a function of one argument, x_p -> x_{p+1}."
             )
-    if policy not in CHAIN_POLICIES:
-        raise ValueError(f"{name}: policy must be one of {CHAIN_POLICIES}, got {policy!r}.")
-    return list(layers), None if memory is None else parse_memory(memory, name=name)
+    return list(layers), read_request(name, "chain", memory=memory, policy=policy).memory
 
 
 def plan_layers(

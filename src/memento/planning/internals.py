@@ -5,6 +5,9 @@ Not user API: names here may change between versions. NumPy only, like the rest 
 
 - Reading ``memory=``: `parse_memory` (slots, `Bytes` or `Percent`), `parse_size`,
   `to_slots`, `as_int`; the paper's alpha from measured sizes: `internal_slots`.
+- Reading a request (every entry point's arguments, validated once): `read_request`
+  (a `Request`), `check_executor`, `parse_host_memory`, `host_slots`, `EXECUTORS`; the
+  backend's part in choosing: `recursion_min_steps`, `auto_charges`.
 - Choosing what to run: `check_policy`, `auto_policy`, `choose_policy`,
   `choose_schedule`, `INTERNAL_STATE_CHARGE`.
 - Walking a schedule: `Walk`, `INITIAL`, `first_backward` (where the first sweep ends),
@@ -51,6 +54,17 @@ from ._nest import (
     static_plan as static_plan,
 )
 from ._online import checkpoints_at as checkpoints_at
+from ._request import (
+    EXECUTORS as EXECUTORS,
+    Executor as Executor,
+    Request as Request,
+    auto_charges as auto_charges,
+    check_executor as check_executor,
+    host_slots as host_slots,
+    parse_host_memory as parse_host_memory,
+    read_request as read_request,
+    recursion_min_steps as recursion_min_steps,
+)
 from ._schedule import (
     INITIAL as INITIAL,
     Walk as Walk,

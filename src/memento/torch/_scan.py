@@ -11,10 +11,9 @@ import torch
 from ..planning import Bytes, Charges, Policy, Schedule
 from ..planning.internals import (
     Percent,
-    check_policy,
     choose_schedule,
     internal_slots,
-    parse_memory,
+    read_request,
     to_slots,
 )
 from . import _tree
@@ -156,8 +155,8 @@ def _plain(step, h0, xs, x_leaves, x_tree, num_steps, *, start=None):
 
 def _prepare(step, h0, xs, memory, policy, length, *, name: str = _NAME):
     """Reads the arguments, runs step 0 as the probe, measures and plans."""
-    policy = check_policy(name, policy)
-    budget = None if memory is None else parse_memory(memory, name=name)
+    request = read_request(name, "torch", memory=memory, policy=policy)
+    budget, policy = request.memory, request.policy
     if not callable(step):
         raise TypeError(f"{name}: step must be callable, got {type(step).__name__}")
     h_leaves, h_tree = _tree.flatten(h0, name=name, what="h0")

@@ -1,0 +1,114 @@
+"""memento.explain: the plan memento.scan's gradient runs, checked against that run."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memento
+from memento.planning import Plan, hsm_cost
+
+
+def _inputs(num_steps, width=4):
+    w = jnp.eye(width) * 0.5 + 0.01
+    return w, jnp.zeros(width), jnp.ones((num_steps, width)) * 0.1
+
+
+def _loss(w, h0, xs, memory, executor, calls=None):
+    def cell(h, x):
+        if calls is not None:
+            jax.debug.callback(lambda: calls.append(1))
+        h = jnp.tanh(w @ h + x)
+        return h, h
+
+    h, ys = memento.scan(cell, h0, xs, memory=memory, executor=executor)
+    return jnp.sum(ys) + jnp.sum(h)
+
+
+def _temp(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+# (steps, memory, executor asked, executor the plan runs): every executor and kind of
+# budget, from one slot to more than the loop can use.
+CASES = [
+    (2000, "16KiB", "auto", "static"),
+    (2000, "1GiB", "auto", "static"),
+    (2000, "2%", "auto", "static"),
+    (3000, "6KiB", "static", "static"),
+    (2000, 12, "auto", "rows"),
+    (500, 1, "rows", "rows"),
+    (300, 40, "rows", "rows"),
+    (2000, "5KiB", "recursion", "recursion"),
+    (70_000, "4KiB", "auto", "recursion"),
+]
+
+
+@pytest.mark.parametrize("num_steps,memory,asked,runs", CASES)
+def test_the_plan_is_what_the_gradient_runs(x64, num_steps, memory, asked, runs):
+    w, h0, xs = _inputs(num_steps)
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    plan = memento.explain(cell, h0, xs, memory=memory, executor=asked, wrt=["closure"])
+    assert isinstance(plan, Plan) and plan.executor == runs and plan.num_steps == num_steps
+    assert plan.backend == "cpu" and plan.request.executor == asked
+    # The schedule replays, and its evaluations are the plan's and the gradient's.
+    assert plan.schedule.simulate().forward_evaluations == plan.evaluations
+    if runs == "recursion":
+        assert plan.evaluations == hsm_cost(num_steps, plan.slots)
+    calls: list = []
+    f = jax.grad(functools.partial(_loss, memory=memory, executor=asked, calls=calls))
+    if num_steps <= 3000:  # a host callback per step: keep it short
+        jax.block_until_ready(f(w, h0, xs))
+        assert len(calls) == plan.evaluations
+    assert plan.recomputation == plan.evaluations / num_steps - 1 >= 0
+    text = str(plan)
+    assert text.startswith("memento.explain:") and f"executor={runs!r}" in text
+    # The predicted bytes are the planner's count: a byte budget holds them, and the
+    # compiled gradient stays within the budget (5% and 4 KiB, as every byte budget).
+    temp = _temp(jax.grad(functools.partial(_loss, memory=memory, executor=asked)), w, h0, xs)
+    budget = memento.planning.internals.parse_memory(memory, name="test")
+    if isinstance(budget, memento.planning.Bytes) and budget.num_bytes < 2**30:
+        assert plan.program_bytes <= budget.num_bytes
+        assert temp <= budget.num_bytes * 1.05 + 4096
+    if budget != memento.planning.Bytes(2**30):  # past need, lax.scan's own program runs
+        assert temp <= plan.program_bytes * 1.3 + 4096, (temp, plan.program_bytes)
+
+
+def test_explain_and_scan_schedule_agree_and_check_as_scan_does(x64):
+    w, h0, xs = _inputs(1000)
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    plan = memento.explain(cell, h0, xs, memory=10, executor="rows")
+    s = memento.loops.scan_schedule(cell, h0, xs, memory=10, executor="rows")
+    assert plan.schedule == s and plan.policy == s.policy and plan.slots == 10
+    with pytest.raises(ValueError, match="memento.explain: memory=None is lax.scan"):
+        memento.explain(cell, h0, xs, memory=None)
+    with pytest.raises(ValueError, match="memento.explain: executor must be one of"):
+        memento.explain(cell, h0, xs, memory=10, executor="fast")
+    with pytest.raises(ValueError, match="memento.explain: unknown policy"):
+        memento.explain(cell, h0, xs, memory=10, policy="best")
+    with pytest.raises(ValueError, match="memento.explain: wrt must be"):
+        memento.explain(cell, h0, xs, memory=10, wrt="init")
+    with pytest.raises(ValueError, match="memento.explain: a scan of 0 steps"):
+        memento.explain(cell, h0, xs[:0], memory=10)
+
+
+def test_one_reading_of_the_arguments_for_every_entry_point():
+    # The same bad argument gets the same message from scan, while_loop and chain (each
+    # naming itself): they read it in one place.
+    w, h0, xs = _inputs(10)
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    calls = {
+        "memento.scan": lambda m: memento.scan(cell, h0, xs, memory=m),
+        "memento.while_loop": lambda m: memento.while_loop(
+            lambda c: c[1] < 3, lambda c: (c[0], c[1] + 1), (h0, 0), max_steps=5, memory=m
+        ),
+        "memento.chain": lambda m: memento.chain([jnp.tanh], h0, memory=m),
+    }
+    for name, call in calls.items():
+        for bad, match in [("12 apples", "cannot read"), (-3, "too small"), (2.5, "memory")]:
+            with pytest.raises((ValueError, TypeError), match=match) as e:
+                call(bad)
+            assert str(e.value).startswith(name), (name, str(e.value))
+    np.testing.assert_allclose(memento.chain([jnp.tanh], h0, memory="1MiB"), jnp.tanh(h0))
