@@ -389,6 +389,7 @@ def while_loop(
         again=functools.partial(
             while_loop, max_steps=max_steps, memory=memory, host_memory=host_memory
         ),
+        backend=platform(carry0, buffers0),
     )
     out = differentiable(loop)(*body.consts, *loop_cond_consts, *carry0, *buffers0)
     out = no_tangent_if_int(out)
@@ -735,6 +736,7 @@ class _WhileLoop(Loop):
     host: bool
     carry_slots: _recursion.CarrySlots
     again: Callable
+    backend: str
 
     def _parts(self, leaves) -> tuple[list, list, list, list]:
         n_k, n_q = len(self.body.consts), self.num_cond_consts
@@ -810,7 +812,9 @@ class _WhileLoop(Loop):
             if num_slots:
                 slot = read_table(store_slot, ptr, pieces)
                 until = read_table(store_until, ptr, pieces)
-                hidden, held = _keep(hidden, held, slot, c, self.carry_slots, keep, p, until)
+                hidden, held = _keep(
+                    hidden, held, slot, c, self.carry_slots, keep, p, until, self.backend
+                )
             taken = _member_active(active)  # True outside vmap, with no varying axes
             c, bufs = self._step(consts, c, bufs, taken)
             p, n = p + 1, n + taken.astype(jnp.int32)
@@ -1117,10 +1121,10 @@ def _refuse_per_step_psums(body: Body, cond_jaxpr) -> None:
         )
 
 
-def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, tuple]:
+def _keep(hidden, held, slot, c, carry_slots, keep, pos, until, backend) -> tuple[list, tuple]:
     """The kept slots after the forward step at ``pos`` stores ``c`` in ``slot`` where
     ``keep`` holds, and ``held`` (per slot: the position kept there, and ``until``,
-    where the policy gives it up) updated.
+    where the policy gives it up) updated, on ``backend`` (the inputs' platform).
 
     On CPU a conditional skips the masked write of every carry leaf (a read, a select and
     an in-place update each) on the steps that store nothing, most of them. Off the CPU
@@ -1128,7 +1132,7 @@ def _keep(hidden, held, slot, c, carry_slots, keep, pos, until) -> tuple[list, t
     every step.
     """
     held_pos, held_until = held
-    if platform() == "cpu":
+    if backend == "cpu":
 
         def write(hidden, held_pos, held_until):
             hidden = carry_slots.write(hidden, slot, c, pos=pos)
