@@ -49,7 +49,7 @@ CASES = [
 @pytest.mark.parametrize("num_steps,memory,asked,runs", CASES)
 def test_the_plan_is_what_the_gradient_runs(x64, num_steps, memory, asked, runs):
     w, h0, xs = _inputs(num_steps)
-    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
     plan = memento.explain(cell, h0, xs, memory=memory, executor=asked, wrt=["closure"])
     assert isinstance(plan, Plan) and plan.executor == runs and plan.num_steps == num_steps
     assert plan.backend == "cpu" and plan.request.executor == asked
@@ -78,19 +78,19 @@ def test_the_plan_is_what_the_gradient_runs(x64, num_steps, memory, asked, runs)
 
 def test_explain_and_scan_schedule_agree_and_check_as_scan_does(x64):
     w, h0, xs = _inputs(1000)
-    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
     plan = memento.explain(cell, h0, xs, memory=10, executor="rows")
     s = memento.loops.scan_schedule(cell, h0, xs, memory=10, executor="rows")
     assert plan.schedule == s and plan.policy == s.policy and plan.slots == 10
-    with pytest.raises(ValueError, match="memento.explain: memory=None is lax.scan"):
+    with pytest.raises(ValueError, match=r"memento\.explain: memory=None is lax.scan"):
         memento.explain(cell, h0, xs, memory=None)
-    with pytest.raises(ValueError, match="memento.explain: executor must be one of"):
+    with pytest.raises(ValueError, match=r"memento\.explain: executor must be one of"):
         memento.explain(cell, h0, xs, memory=10, executor="fast")
-    with pytest.raises(ValueError, match="memento.explain: unknown policy"):
+    with pytest.raises(ValueError, match=r"memento\.explain: unknown policy"):
         memento.explain(cell, h0, xs, memory=10, policy="best")
-    with pytest.raises(ValueError, match="memento.explain: wrt must be"):
+    with pytest.raises(ValueError, match=r"memento\.explain: wrt must be"):
         memento.explain(cell, h0, xs, memory=10, wrt="init")
-    with pytest.raises(ValueError, match="memento.explain: a scan of 0 steps"):
+    with pytest.raises(ValueError, match=r"memento\.explain: a scan of 0 steps"):
         memento.explain(cell, h0, xs[:0], memory=10)
 
 
@@ -98,7 +98,7 @@ def test_one_reading_of_the_arguments_for_every_entry_point():
     # The same bad argument gets the same message from scan, while_loop and chain (each
     # naming itself): they read it in one place.
     w, h0, xs = _inputs(10)
-    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
     calls = {
         "memento.scan": lambda m: memento.scan(cell, h0, xs, memory=m),
         "memento.while_loop": lambda m: memento.while_loop(
