@@ -321,15 +321,20 @@ class Plan:
             if isinstance(budget, Bytes)
             else f"{budget.percent:g}% of storing every step"
             if isinstance(budget, Percent)
-            else f"{budget} slots"
+            else _count(int(budget or 0), "slot")
         )
         return (
-            f"{self.request.name}: {self.num_steps:,} steps in {given} on {self.backend}: "
-            f"executor={self.executor!r}, policy={self.policy!r}, {self.slots} slots; "
+            f"{self.request.name}: {_count(self.num_steps, 'step')} in {given} on "
+            f"{self.backend}: executor={self.executor!r}, policy={self.policy!r}, "
+            f"{_count(self.slots, 'slot')}; "
             f"{self.evaluations:,.0f} evaluations ({self.recomputation:+.0%} of lax.scan's), "
             f"{self.loop_iterations:,.0f} loop iterations, about {self.program_bytes:,} "
             f"bytes, about {_seconds(self.seconds)} per gradient. {self.why}"
         )
+
+
+def _count(n: int, unit: str) -> str:
+    return f"{n:,} {unit}" + ("" if n == 1 else "s")
 
 
 def _seconds(s: float) -> str:
