@@ -112,10 +112,10 @@ class Program:
         outside the slots' budget (a few tens of bytes a step), and the first sweep's
         tables of saves (three int32 per save and per kind, and a sentinel: O(slots),
         which a large budget makes O(t))."""
-        saves = [self.save_hidden, self.save_internal, self.host_save_hidden]
-        sweep = sum(int((a[:, 0] >= 0).sum()) + 1 for a in [*saves, self.host_save_internal])
+        kinds = (self.save_hidden, self.save_internal, self.host_save_hidden)
+        saves = sum(int((a[:, 0] >= 0).sum()) + 1 for a in (*kinds, self.host_save_internal))
         rows = self.primal_rows.nbytes + self.segment_end.nbytes + self.backward_rows.nbytes
-        return rows + 3 * 4 * sweep
+        return rows + 3 * 4 * saves
 
     @property
     def has_host(self) -> bool:

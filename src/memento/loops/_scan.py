@@ -326,8 +326,7 @@ def _describe(body, spec, schedule, prog, slots, request, num_steps, backend) ->
     assert schedule is not None  # rows=True plans one
     if prog is None:
         evaluations = iterations = hsm_cost(num_steps, slots)
-        per_slot = sizes.carry + 4 + 12 * checks_enabled()
-        program = slots * per_slot + sizes.fixed
+        program = slots * _recursion_slot_bytes(sizes) + sizes.fixed
         why = (
             "asked for"
             if forced
@@ -587,7 +586,13 @@ def _recursion_slots(slots: int, budget, sizes: _Sizes) -> int:
     slot beside its carry (and tags and positions, 12 bytes a slot, with `checks_enabled`)."""
     if not isinstance(budget, Bytes):
         return slots
-    return _slots_within(slots, budget, sizes, per_slot=sizes.carry + 4 + 12 * checks_enabled())
+    return _slots_within(slots, budget, sizes, per_slot=_recursion_slot_bytes(sizes))
+
+
+def _recursion_slot_bytes(sizes: _Sizes) -> int:
+    """Bytes of one of the recursion's slots: a carry, its int32 position, and with
+    `checks_enabled` a tag and positions (12 bytes)."""
+    return sizes.carry + 4 + 12 * checks_enabled()
 
 
 @dataclasses.dataclass(frozen=True)
