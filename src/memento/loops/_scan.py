@@ -304,6 +304,7 @@ def _describe(body, spec, schedule, prog, slots, request, num_steps, backend) ->
     profile = step_profile(body)
     step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
     forced = request.executor != "auto"
+    chose = not forced and request.policy == "auto"  # static nests were candidates
     if isinstance(prog, StaticPlan):
         full = StaticPlan(
             prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level,
@@ -344,7 +345,7 @@ def _describe(body, spec, schedule, prog, slots, request, num_steps, backend) ->
         why = (
             f"The optimal {schedule.policy.upper()} schedule of Gruslys et al. as rows of "
             f"data ({prog.runtime_bytes:,} bytes) read by one loop"
-            + ("." if forced else ", predicted faster than the static nests that fit.")
+            + (", predicted faster than the static nests that fit." if chose else ".")
         )
         executor = "rows"
     return Plan(
