@@ -123,8 +123,8 @@ def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share)
     # The budget is a share of what lax.scan's gradient takes; the compiled gradient of
     # memento.scan must take at most the budget, give or take 5% and 4 KiB (XLA's
     # buffer assignment is not the planner's), or the budget is refused naming the least.
-    # Between half and all of lax.scan's bytes, plans of a nest and steps stored whole
-    # fit: a nest of one outer segment beside them took up to 2x its budget.
+    # Between half and all of lax.scan's bytes too, where plans mix a nest and steps
+    # stored whole.
     with jax.enable_x64(False):
         w = jnp.eye(width) * 0.5
         h0, xs = jnp.zeros(width), jnp.ones((num_steps, width)) * 0.1
@@ -198,7 +198,7 @@ def test_rows_refuse_a_byte_budget_their_rows_do_not_fit_and_name_the_least():
 def test_the_rows_count_their_first_sweeps_tables_in_a_byte_budget():
     # Near lax.scan's bytes the rows' ISM plan saves thousands of internal states in its
     # first sweep, and the tables that say where take 12 bytes a save: they count in the
-    # budget (they once took it 8.5% over).
+    # budget.
     with jax.enable_x64(False):
         w = jnp.eye(8) * 0.5
         h0, xs = jnp.zeros(8), jnp.ones((3000, 8)) * 0.1

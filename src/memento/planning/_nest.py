@@ -349,7 +349,7 @@ def plan_static(
 def _lone_segment(plan: StaticPlan) -> bool:
     """Whether a plan of several pieces has a nest of one outer segment. XLA was seen to
     keep the other pieces' buffers alive beside that segment's run again (its loop of one
-    trip is inlined), up to twice what `StaticPlan.peak_bytes` counts: such plans are not
+    trip is inlined), beyond what `StaticPlan.peak_bytes` counts: such plans are not
     considered."""
     return len(plan.pieces) > 1 and any(len(p) > 1 and p[0] == 1 for p in plan.pieces)
 
