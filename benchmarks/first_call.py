@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import memento
-from memento.loops import _scan
+from memento.loops import _choice
 
 # (label, policy, executor)
 CASES = (
@@ -54,8 +54,8 @@ def tanh_loss(T: int, policy: str, executor: str, memory: int = MEMORY):
 
 
 def measure(T: int, policy: str, executor: str, *, compile_: bool, run: bool) -> dict:
-    memento.planning._budget._plan.cache_clear()
-    _scan._compile.cache_clear()
+    memento.planning._choose._plan.cache_clear()
+    _choice._compile.cache_clear()
     loss, cell, xs = tanh_loss(T, policy, executor)
     c0 = jnp.ones(4, jnp.float32)
     start = time.perf_counter()

@@ -104,8 +104,8 @@ LIMITS = {
 def measure(method: str, T: int, memory: int = MEMORY) -> dict:
     # A first call plans and compiles its schedule: memento's caches must not carry a
     # plan over from another method at the same T.
-    memento.planning._budget._plan.cache_clear()
-    memento.loops._scan._compile.cache_clear()
+    memento.planning._choose._plan.cache_clear()
+    memento.loops._choice._compile.cache_clear()
     loss = make_loss(method, T, memory)
     c0 = jnp.ones(CARRY, jnp.float32)
     compiled, first = _common.first_call(jax.grad(loss), c0)

@@ -533,13 +533,11 @@ def _clear_memento_caches() -> None:
     plan and compile afresh)."""
     import memento
 
-    for owner, attr in (("planning._budget", "_plan"), ("loops._scan", "_compile")):
+    for owner, attr in (("planning._choose", "_plan"), ("loops._choice", "_compile")):
         obj: Any = memento
         for part in owner.split("."):
-            obj = getattr(obj, part, None)
-        fn = getattr(obj, attr, None)
-        if fn is not None and hasattr(fn, "cache_clear"):
-            fn.cache_clear()
+            obj = getattr(obj, part)
+        getattr(obj, attr).cache_clear()
 
 
 def summary(results: list[dict]) -> dict:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import memento
-from memento.loops import _scan
+from memento.loops import _choice
 
 
 def _steady(f, *args, repeats=5) -> float:
@@ -81,8 +81,8 @@ def scan_rows(out: list, cases: str = CASES) -> None:
         body, steps, memory = case.split(":")
         T = int(float(steps))
         for path in ("rows", "recursion"):
-            memento.planning._budget._plan.cache_clear()
-            _scan._compile.cache_clear()
+            memento.planning._choose._plan.cache_clear()
+            _choice._compile.cache_clear()
             loss, arg = _scan_loss(body, T, int(memory), executor=path)
             grad, first = _common.first_call(jax.grad(loss), arg)
             row = {"body": body, "T": T, "memory": int(memory), "path": path, **first,

@@ -34,13 +34,13 @@ def test_the_plan_follows_the_platform(monkeypatch):
     from memento.loops import _scan
 
     seen = []
-    original = _scan._plan
+    original = _scan.choose
 
     def spy(*args, **kwargs):
         seen.append(kwargs["backend"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_scan, "_plan", spy)
+    monkeypatch.setattr(_scan, "choose", spy)
     xs = jnp.ones((50, 4))
     s = memento.loops.scan_schedule(cell, jnp.ones(4), xs, memory=3, policy="hsm")
     assert seen == ["cpu"] and s.policy == "hsm"

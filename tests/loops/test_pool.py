@@ -76,10 +76,10 @@ def test_tangents_flow_through_the_pools():
 @pytest.mark.parametrize("policy,alpha", [("hsm", None), ("ism", 3), ("msm", 3), ("msm", 8)])
 @pytest.mark.parametrize("steps,memory", [(1, 8), (40, 8), (97, 24), (300, 60)])
 def test_pools_fit_the_budget(policy, alpha, steps, memory):
-    from memento.loops import _scan
+    from memento.loops import _choice
 
     schedule = memento.plan(steps, memory, policy=policy, alpha=alpha)
-    prog = _scan._compile(schedule)
+    prog = _choice._compile(schedule)
     assert not np.isin(prog.primal_rows[:, 0], (-1,)).any()
     # a carry of 4 float32 numbers; an internal state of alpha carries, output included
     carry = [jax.ShapeDtypeStruct((4,), jnp.float32)]
@@ -111,7 +111,7 @@ def test_layout_is_exact_and_fits_the_budget(monkeypatch, policy, memory):
     used = []
     real = _interpreter.pool_bytes
     monkeypatch.setattr(
-        "memento.loops._scan.pool_bytes", lambda *a: used.append(real(*a)) or used[-1]
+        "memento.loops._choice.pool_bytes", lambda *a: used.append(real(*a)) or used[-1]
     )
     with jax.enable_x64(True):
         w = jax.random.normal(jax.random.PRNGKey(0), (4, 4), jnp.float64) * 0.5

@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import memento
-from memento.loops import _scan
+from memento.loops import _choice
 from memento.planning.internals import nest_schedule, static_plan
 
 
@@ -26,7 +26,7 @@ def x64():
 def _force(monkeypatch, levels):
     """Make the static executor run ``static_plan(T, levels)`` whatever the budget."""
     monkeypatch.setattr(
-        _scan, "plan_static", lambda num_steps, budget, **kw: static_plan(num_steps, levels, **{
+        _choice, "plan_static", lambda num_steps, budget, **kw: static_plan(num_steps, levels, **{
             k: v for k, v in kw.items() if k in ("carry_bytes", "residual_bytes", "stream_bytes")
         })
     )  # fmt: skip

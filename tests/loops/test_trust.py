@@ -331,9 +331,9 @@ def _corrupt(monkeypatch, what):
     # A program whose rows point at the wrong place: the executor itself is broken.
     import dataclasses
 
-    from memento.loops import _scan
+    from memento.loops import _choice
 
-    real = _scan._compile.__wrapped__
+    real = _choice._compile.__wrapped__
 
     def compile_wrong(schedule):
         prog = real(schedule)
@@ -346,7 +346,7 @@ def _corrupt(monkeypatch, what):
         rows[stored[1:], 2] = rows[stored[:-1], 2]
         return dataclasses.replace(prog, backward_rows=rows)
 
-    monkeypatch.setattr(_scan, "_compile", compile_wrong)
+    monkeypatch.setattr(_choice, "_compile", compile_wrong)
 
 
 @pytest.mark.parametrize("what,policy", [("load", "hsm"), ("backward", "ism")])

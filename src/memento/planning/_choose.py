@@ -55,4 +55,7 @@ def choose_schedule(
     `memento.plan` with the measured alpha (``policy`` validated by the caller), cached.
     """
     policy = choose_policy(num_steps, slots, alpha, policy, name=name, charges=charges)
-    return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)
+    try:
+        return _plan(num_steps, slots, policy, None if policy == "hsm" else alpha)
+    except ValueError as e:  # a plan too large to tabulate: say it as the caller
+        raise ValueError(str(e).replace("memento.plan", name)) from None

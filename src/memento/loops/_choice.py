@@ -1,0 +1,468 @@
+"""How a budgeted scan's gradient runs: each executor's fit and price for one body, and
+the choice among them (`choose`).
+
+The static nests (`_static_fit`), the schedule's rows (`_rows_fit`, `_two_level_fit`) and
+HSM's recursion (`_recursion_fit`) each say whether they fit the request's memory and what
+they cost, as a `Choice`; `choose` takes the one the time model predicts fastest, or the
+executor the request forces. `memento.explain` shows the `Choice` as a `Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+from ..planning import Plan, Policy, Schedule, hsm_cost, plan
+from ..planning.internals import (
+    Request,
+    StaticPlan,
+    auto_charges,
+    host_slots,
+    loop_costs,
+    loop_seconds,
+    nest_schedule,
+    plan_static,
+    recursion_min_steps,
+    step_seconds,
+)
+from ._body import Body, ResidualSpec, nbytes, split, step_profile
+from ._budget import Bytes, Percent, choose_policy, choose_schedule, internal_slots, to_slots
+from ._interpreter import Program, compile_schedule, pool_bytes
+from ._pool import checks_enabled, varying
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Choice:
+    """One executor's plan for a body: what it runs, and what it costs as the planner
+    counts it.
+
+    ``program`` is what the executor runs: a `StaticPlan`, the rows' `Program`, or None
+    for the recursion (which runs in ``slots``). ``schedule`` builds the plan's schedule
+    on demand (`memento.explain` replays it; a gradient of a static nest or the
+    recursion never needs it).
+    """
+
+    executor: Literal["static", "rows", "recursion"]
+    policy: str
+    slots: int
+    evaluations: float
+    iterations: float
+    program_bytes: int
+    seconds: float
+    program: StaticPlan | Program | None
+    schedule: Callable[[], Schedule]
+    why: str
+
+    def plan(self, request: Request, backend: str, num_steps: int) -> Plan:
+        """This choice as `memento.explain` shows it."""
+        return Plan(
+            request, backend, num_steps, self.executor, self.policy, self.slots,
+            self.evaluations, self.iterations, self.program_bytes, self.seconds,
+            self.schedule(), self.why,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """Bytes the static planner counts for a body: a carry, a step's internal state, what
+    a step being back-propagated streams (its slice of the ys' cotangents), and the fixed
+    working set of the backward pass (a step's VJP in flight, the cotangent accumulators
+    of the closed-over arrays, the loops' control state), and what each level beyond the
+    second and each nest beyond the first adds. Of the fixed working set,
+    ``accumulators`` are the closed-over arrays' cotangents, which the static executor
+    accumulates in the gradient it returns (no temporary buffer)."""
+
+    carry: int
+    residual: int
+    stream: int
+    fixed: int
+    level: int
+    whole: int
+    piece: int
+    accumulators: int
+
+
+_CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Fit:
+    """A body and a request, measured: what every executor's fit reads.
+
+    ``slots`` is the budget in carry slots, capped at what the loop can use;
+    ``budget`` the request's bytes, or those slots (a percentage resolved); ``step`` one
+    step's predicted seconds on ``backend``.
+    """
+
+    body: Body
+    request: Request
+    num_steps: int
+    backend: str
+    spec: ResidualSpec
+    alpha: int
+    slots: int
+    budget: int | Bytes
+    sizes: _Sizes
+    step: float
+
+    def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
+        return loop_seconds(evaluations, iterations, executor, step=self.step, backend=self.backend)
+
+    def slots_within(self, slots: int, per_slot: int) -> int:
+        """At most ``slots``, at least one, of ``per_slot`` bytes each beside the fixed
+        working set within a byte budget (``slots`` under a slot budget)."""
+        if not isinstance(self.budget, Bytes):
+            return slots
+        return max(1, min(slots, (self.budget.num_bytes - self.sizes.fixed) // max(per_slot, 1)))
+
+
+def choose(
+    body: Body, *, request: Request, num_steps: int, slots: int | Percent, backend: str
+) -> tuple[ResidualSpec, Choice]:
+    """The residuals and the plan for a body differentiated as ``body`` says, as
+    ``request`` asks (``slots``: its memory in slots, `budget_slots`), run on ``backend``
+    (`platform`: it sets the time model's constants).
+
+    Runs when the gradient is traced (the forward rule), once the perturbed inputs are
+    known: the paper's alpha is measured from the residuals actually differentiated, and a
+    `Percent` budget becomes that share of ``num_steps * alpha`` slots. The budget is
+    capped at `useful_slots`: no plan, pool or stack is sized by a number larger than
+    what the loop can use.
+
+    The candidates are the static nests (``policy="auto"`` only), then the loop the
+    policy picks: HSM's recursion (forced, or from `recursion_min_steps` on the
+    backend), or the schedule's rows, refitted to fewer slots until their pools and rows
+    fit (the recursion where they cannot fit a byte budget). A static nest predicted
+    faster than any loop could be is taken without planning a schedule (at 10^6 steps
+    that takes seconds). With a host level, the two-level plan on the rows.
+
+    Returns:
+        ``(spec, choice)``: the body's `residual_spec` and the `Choice`.
+    """
+    fit = _measure(body, request, num_steps, slots, backend)
+    if request.host is not None:
+        host = host_slots(request.host, fit.sizes.carry, name=request.name)
+        if host:
+            assert request.transfer is not None  # read_request pairs it with a host level
+            return fit.spec, _two_level_fit(fit, host, request.transfer)
+    static = _static_fit(fit)
+    if request.executor == "static":
+        assert static is not None  # _static_fit raises where it has no plan
+        return fit.spec, static
+    # Each loop evaluates every step at least once, in one iteration each.
+    if static is not None and static.seconds <= fit.seconds(num_steps, num_steps, "recursion"):
+        return fit.spec, static
+    loop = _loop_fit(fit)
+    return fit.spec, static if static is not None and static.seconds <= loop.seconds else loop
+
+
+def budget_slots(budget: int | Bytes | Percent, carry_bytes: int, *, name: str) -> int | Percent:
+    """Slots of a budget; a percentage stays one until `choose` measures alpha, its need."""
+    return budget if isinstance(budget, Percent) else to_slots(budget, carry_bytes, name=name)
+
+
+def useful_slots(num_steps: int, alpha: int, policy: Policy) -> int:
+    """The most slots a plan of ``num_steps`` steps can use: every internal state
+    (``num_steps * alpha``, ``lax.scan``'s memory), or every carry under HSM. A larger
+    budget plans exactly as this one (the planner's cost is flat from there on)."""
+    return num_steps if policy == "hsm" else num_steps * alpha
+
+
+def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent, backend: str):
+    spec = body.residual_spec()
+    carry = nbytes(body.carry_avals)
+    alpha = internal_slots(nbytes(spec.stored), carry)
+    need = useful_slots(num_steps, alpha, "auto")
+    slots = min(to_slots(slots, carry, name=request.name, need=need), need)
+    assert request.memory is not None  # memory=None is lax.scan, which plans nothing
+    budget = request.memory if isinstance(request.memory, Bytes) else slots
+    profile = step_profile(body)
+    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+    sizes = _static_sizes(body, spec)
+    return _Fit(body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step)
+
+
+# The static nests.
+
+
+def _static_fit(fit: _Fit) -> Choice | None:
+    """The fastest static nest that fits, or None (not a candidate, or none fits; forced,
+    an error)."""
+    request, sizes = fit.request, fit.sizes
+    forced = request.executor == "static"
+    mapped = _static_unavailable(fit.body)
+    if forced and mapped:
+        raise NotImplementedError(
+            f"{request.name}: executor='static' does not run inside shard_map (a value "
+            f"varies over mesh axes: {', '.join(map(str, mapped))}); use executor='auto', "
+            "'rows' or 'recursion'."
+        )
+    if not (forced or request.executor == "auto") or request.policy != "auto" or mapped:
+        return None
+    room, kinds = _static_budget(fit.budget, fit.slots, sizes)
+    if isinstance(fit.budget, Bytes) and fit.budget.num_bytes >= fit.num_steps * sizes.residual:
+        room = math.inf  # room for lax.scan's own memory: store every step
+    seconds = functools.partial(_static_seconds, step=fit.step, backend=fit.backend)
+    prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
+    if prog is None:
+        if forced:
+            raise ValueError(_no_static_plan(fit))
+        return None
+    # Under a slot budget the nest was fitted by its stored states; its bytes count all.
+    full = StaticPlan(
+        prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level, sizes.whole,
+        sizes.piece,
+    )  # fmt: skip
+    whole = prog.pieces == ((fit.num_steps,),)
+    why = (
+        "the budget holds every step's internal state: one lax.scan, as lax.scan's own gradient"
+        if whole
+        else f"nested lax.scans of static lengths {list(map(list, prog.pieces))}"
+        + ("" if forced else ", predicted fastest of the plans that fit")
+    )
+    return Choice(
+        "static", "store all" if whole else "nest", fit.slots, prog.evaluations,
+        prog.loop_iterations, full.peak_bytes + sizes.fixed - sizes.accumulators,
+        seconds(prog), prog, lambda: nest_schedule(prog), why[0].upper() + why[1:] + ".",
+    )  # fmt: skip
+
+
+def _static_unavailable(body: Body) -> tuple:
+    """Why the static executor cannot run this loop: the mesh axes any of its values
+    varies over (inside ``shard_map``), or JAX's experimental ``jax_scan3`` scan, whose
+    VJP cannot yet run inside a custom VJP's forward rule."""
+    if getattr(jax.config, "jax_scan3", False):
+        return ("jax_scan3",)
+    avals = [*body.carry_avals, *body.x_avals, *(jax.typeof(k) for k in body.consts)]
+    return tuple(sorted({axis for a in avals for axis in varying(a)}))
+
+
+def _static_sizes(body: Body, spec) -> _Sizes:
+    carry = nbytes(body.carry_avals)
+    residual = nbytes(spec.stored)
+    xs = nbytes(body.x_avals)
+    # A segment back-propagated reads its xs and writes their cotangents in place; its
+    # ys' cotangents are sliced.
+    stream = nbytes(split(body.y_avals, body.y_mask)[0])
+    consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
+    # One step's VJP in flight (its internal state and carry, an x, its largest
+    # intermediate) and the closed-over arrays' cotangents.
+    working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
+    # A level beyond the second: its starts' selection and the loop state around it.
+    level = 4 * carry + _CONTROL_BYTES
+    # A nest beyond the first: its loops' state, and its carries around them.
+    piece = 4 * carry + _CONTROL_BYTES // 2
+    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts)
+
+
+def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
+    """``(budget_bytes, sizes)`` arguments of `plan_static` for a budget: a byte budget
+    is the program's memory, less the backward pass's fixed working set but for the
+    cotangent accumulators; ``slots`` count stored states only, carry-sized, as in the
+    paper (the initial carry is one)."""
+    if isinstance(budget, Bytes):
+        return budget.num_bytes - sizes.fixed + sizes.accumulators, {
+            "carry_bytes": sizes.carry,
+            "residual_bytes": sizes.residual,
+            "stream_bytes": sizes.stream,
+            "level_bytes": sizes.level,
+            "whole_bytes": sizes.whole,
+            "piece_bytes": sizes.piece,
+        }
+    return (slots - 1) * sizes.carry, {
+        "carry_bytes": sizes.carry,
+        "residual_bytes": sizes.residual,
+    }
+
+
+def _no_static_plan(fit: _Fit) -> str:
+    budget, sizes = fit.budget, fit.sizes
+    room, kinds = _static_budget(budget, fit.slots, sizes)
+    smallest = plan_static(fit.num_steps, math.inf, **kinds, fewest_bytes=True)
+    assert smallest is not None  # nothing bounds it
+    if isinstance(budget, Bytes):
+        need = smallest.peak_bytes + budget.num_bytes - room
+        given, least = f"{budget.num_bytes} bytes", f"{need} bytes (memory='{need}B')"
+    else:
+        given = f"{fit.slots} slots"
+        least = f"{-(-smallest.peak_bytes // sizes.carry) + 1} slots"
+    return (
+        f"{fit.request.name}: executor='static' has no plan of {fit.num_steps} steps "
+        f"within {given}; its smallest takes {least}. Raise memory, or use "
+        "executor='auto', which falls back to the recursion."
+    )
+
+
+def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
+    """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``."""
+    return loop_seconds(
+        plan.evaluations,
+        plan.loop_iterations,
+        "static",
+        step=step,
+        backend=backend,
+        starts=plan.loop_starts,
+        spilled=plan.spilled_bytes(loop_costs(backend).cache),
+    )
+
+
+# The loops: the schedule's rows and HSM's recursion.
+
+
+def _loop_fit(fit: _Fit) -> Choice:
+    """The loop the policy picks for the budget: the recursion or the rows."""
+    request = fit.request
+    slots = fit.slots_within(fit.slots, fit.sizes.carry)  # the loops' working set too
+    if request.executor == "recursion":
+        return _recursion_fit(fit, slots, "asked for")
+    charges = auto_charges(fit.num_steps, request.executor, fit.backend)
+    chosen = choose_policy(
+        fit.num_steps, slots, fit.alpha, request.policy, name=request.name, charges=charges
+    )
+    if chosen == "hsm":
+        slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
+    least = recursion_min_steps(fit.backend)
+    if chosen == "hsm" and request.executor == "auto" and fit.num_steps >= least:
+        return _recursion_fit(
+            fit, slots, f"HSM runs as the recursion from {least:,} steps on {fit.backend}"
+        )
+    rows = _rows_fit(fit, slots, charges)
+    if rows is None:  # auto: the rows do not fit a byte budget; the recursion keeps none
+        reason = "the schedule's rows would not fit the byte budget; the recursion keeps none"
+        return _recursion_fit(fit, slots, reason)
+    return rows
+
+
+def _rows_fit(fit: _Fit, slots: int, charges) -> Choice | None:
+    """The schedule on the rows in ``slots``, planned again for fewer slots until its
+    pools (and, under a byte budget, its rows) fit: when the pools' layout cannot share
+    memory exactly as the schedule does (leaves of several dtypes or shapes, see
+    `_pool.Pools`), it takes more than the schedule's slots. None where even one slot's
+    rows exceed a byte budget and ``executor`` is ``"auto"``; forced, an error."""
+    request, sizes, budget = fit.request, fit.sizes, fit.budget
+    m = slots
+    while True:
+        # Fewer slots may change what auto picks: choose again at each size.
+        schedule = choose_schedule(
+            fit.num_steps, m, fit.alpha, request.policy, name=request.name, charges=charges
+        )
+        prog = _compile(schedule)
+        used = pool_bytes(prog, fit.body, fit.spec)
+        allowed = (slots - int(schedule.counts_initial)) * sizes.carry
+        if isinstance(budget, Bytes):  # the program's bytes: the rows count too
+            used += prog.runtime_bytes
+            allowed = budget.num_bytes - sizes.fixed
+        if used <= allowed or m == 1:
+            break
+        m = max(1, min(m - 1, m * allowed // used))
+    if used > allowed and isinstance(budget, Bytes):
+        if request.executor == "auto":
+            return None
+        least = used + sizes.fixed
+        raise ValueError(
+            f"{request.name}: executor='rows' cannot run {fit.num_steps} steps within "
+            f"{budget.num_bytes} bytes: its schedule's rows alone take "
+            f"{prog.runtime_bytes} bytes; its smallest takes {least} bytes "
+            f"(memory='{least}B'). Raise memory, or use executor='auto', which "
+            "runs static nests or the recursion (no rows)."
+        )
+    chose = request.executor == "auto" and request.policy == "auto"  # over static nests
+    why = (
+        f"The optimal {schedule.policy.upper()} schedule of Gruslys et al. as rows of data "
+        f"({prog.runtime_bytes:,} bytes) read by one loop"
+        + (", predicted faster than the static nests that fit." if chose else ".")
+    )
+    return _rows_choice(fit, m, schedule, prog, why)
+
+
+def _rows_choice(fit: _Fit, slots: int, schedule: Schedule, prog: Program, why: str) -> Choice:
+    evaluations = schedule.cost
+    iterations = evaluations + len(prog.primal_rows)
+    program_bytes = pool_bytes(prog, fit.body, fit.spec) + prog.runtime_bytes + fit.sizes.fixed
+    return Choice(
+        "rows", schedule.policy, slots, evaluations, iterations, program_bytes,
+        fit.seconds(evaluations, iterations, "rows"), prog, lambda: schedule, why,
+    )  # fmt: skip
+
+
+def _recursion_fit(fit: _Fit, slots: int, reason: str) -> Choice:
+    """HSM's binomial recursion in at most ``slots`` (fewer where a byte budget cannot
+    hold their positions beside them). It keeps no rows: it fits any budget of a slot."""
+    slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
+    slots = fit.slots_within(slots, _recursion_slot_bytes(fit.sizes))
+    evaluations = hsm_cost(fit.num_steps, slots)
+    num_steps, alpha, name = fit.num_steps, fit.alpha, fit.request.name
+    return Choice(
+        "recursion", "hsm", slots, evaluations, evaluations,
+        slots * _recursion_slot_bytes(fit.sizes) + fit.sizes.fixed,
+        fit.seconds(evaluations, evaluations, "recursion"),
+        None, lambda: choose_schedule(num_steps, slots, alpha, "hsm", name=name),
+        f"HSM's binomial recursion on the device, O(slots) state ({reason}).",
+    )  # fmt: skip
+
+
+def _recursion_slot_bytes(sizes: _Sizes) -> int:
+    """Bytes of one of the recursion's slots: a carry, its int32 position, and with
+    `checks_enabled` a tag and positions (12 bytes)."""
+    return sizes.carry + 4 + 12 * checks_enabled()
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(schedule: Schedule) -> Program:
+    return compile_schedule(schedule)
+
+
+# A host level: the two-level plan on the rows.
+
+
+def _two_level_fit(fit: _Fit, h: int | float, pair: tuple[float, float]) -> Choice:
+    """`memento.plan`'s two-level schedule whose pools fit both budgets: planned again
+    for fewer device slots, or fewer host slots, until they do."""
+    slots, carry = fit.slots, fit.sizes.carry
+    if h != math.inf:
+        h = min(int(h), useful_slots(fit.num_steps, fit.alpha, "auto"))  # what can be used
+    m = slots
+    while True:
+        try:
+            schedule = _two_level_schedule(fit.num_steps, m, h, fit.alpha, fit.request.policy, pair)
+        except ValueError as e:
+            raise ValueError(str(e).replace("memento.plan", fit.request.name)) from None
+        prog = _compile(schedule)
+        used = pool_bytes(prog, fit.body, fit.spec)
+        allowed = (slots - int(schedule.counts_initial)) * carry
+        host_used = pool_bytes(prog, fit.body, fit.spec, host=True)
+        host_ok = h == math.inf or host_used <= h * carry
+        if (used <= allowed or m == 1) and (host_ok or h == 0):
+            break
+        if used > allowed:
+            m = max(1, min(m - 1, m * allowed // max(used, 1)))
+        else:
+            h = max(0, min(h - 1, h * (h * carry) // max(host_used, 1)))
+    why = (
+        f"The optimal {schedule.policy.upper()} schedule of Gruslys et al. with a host "
+        f"level, as rows of data ({prog.runtime_bytes:,} bytes) read by one loop."
+    )
+    return _rows_choice(fit, m, schedule, prog, why)
+
+
+@functools.lru_cache(maxsize=64)
+def _two_level_schedule(
+    num_steps: int, m: int, h: int | float, alpha: int, policy: str, pair: tuple[float, float]
+) -> Schedule:
+    """`memento.plan`'s two-level plan (cached): MSM when an internal state takes two
+    slots or more (``"auto"``), else HSM."""
+    if policy == "auto":
+        policy = "msm" if alpha >= 2 else "hsm"
+    return plan(
+        num_steps,
+        m,
+        policy=policy,  # pyright: ignore[reportArgumentType]
+        alpha=None if policy == "hsm" else alpha,
+        host_memory=h,
+        transfer_cost=pair,
+    )
