@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 import memento
 from memento.loops import _choice
+from memento.planning import _choose
 
 # (label, policy, executor)
 CASES = (
@@ -54,7 +55,7 @@ def tanh_loss(T: int, policy: str, executor: str, memory: int = MEMORY):
 
 
 def measure(T: int, policy: str, executor: str, *, compile_: bool, run: bool) -> dict:
-    memento.planning._choose._plan.cache_clear()
+    _choose._plan.cache_clear()
     _choice._compile.cache_clear()
     loss, cell, xs = tanh_loss(T, policy, executor)
     c0 = jnp.ones(4, jnp.float32)

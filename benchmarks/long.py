@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import memento
+from memento.loops import _choice
+from memento.planning import _choose
 
 MEMORY = 100
 CARRY = 4
@@ -104,8 +106,8 @@ LIMITS = {
 def measure(method: str, T: int, memory: int = MEMORY) -> dict:
     # A first call plans and compiles its schedule: memento's caches must not carry a
     # plan over from another method at the same T.
-    memento.planning._choose._plan.cache_clear()
-    memento.loops._choice._compile.cache_clear()
+    _choose._plan.cache_clear()
+    _choice._compile.cache_clear()
     loss = make_loss(method, T, memory)
     c0 = jnp.ones(CARRY, jnp.float32)
     compiled, first = _common.first_call(jax.grad(loss), c0)

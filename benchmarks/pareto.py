@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import math
 import os
 import sys
@@ -529,15 +530,10 @@ def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
 
 
 def _clear_memento_caches() -> None:
-    """memento's own caches of plans and programs, where it has them (a first call must
-    plan and compile afresh)."""
-    import memento
-
+    """memento's own caches of plans and programs (a first call must plan and compile
+    afresh)."""
     for owner, attr in (("planning._choose", "_plan"), ("loops._choice", "_compile")):
-        obj: Any = memento
-        for part in owner.split("."):
-            obj = getattr(obj, part)
-        getattr(obj, attr).cache_clear()
+        getattr(importlib.import_module(f"memento.{owner}"), attr).cache_clear()
 
 
 def summary(results: list[dict]) -> dict:

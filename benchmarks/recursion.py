@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 import memento
 from memento.loops import _choice
+from memento.planning import _choose
 
 
 def _steady(f, *args, repeats=5) -> float:
@@ -81,7 +82,7 @@ def scan_rows(out: list, cases: str = CASES) -> None:
         body, steps, memory = case.split(":")
         T = int(float(steps))
         for path in ("rows", "recursion"):
-            memento.planning._choose._plan.cache_clear()
+            _choose._plan.cache_clear()
             _choice._compile.cache_clear()
             loss, arg = _scan_loss(body, T, int(memory), executor=path)
             grad, first = _common.first_call(jax.grad(loss), arg)
