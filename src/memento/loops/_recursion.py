@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -311,120 +312,144 @@ class CarrySlots:
 # The backward pass
 
 
-def backward(
-    body: Body,
-    slots: int,
-    consts,
-    init,
-    xs,
-    stacks,
-    last,
-    stack_pos,
-    depth,
-    ct_c,
-    ct_k,
-    aux,
-    take_cts: Callable,
-    give_cts: Callable,
-    unroll: int = 1,
-    first: int | jax.Array = 0,
-    *,
-    carry_slots: CarrySlots,
-):
-    """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the kept
-    stack.
+class Stack(NamedTuple):
+    """The recursion's kept carries (loop state): ``pools``, slot ``d - 1`` holding the
+    carry at stack depth ``d`` (`CarrySlots`' layout); ``positions``, an int32 array of
+    length ``slots``, the step of the carry at each depth (``positions[0]`` is the first
+    step's, whose carry is the caller's); ``depth``, how many are kept (depth 0 is the
+    caller's carry alone)."""
 
-    Args:
-        body: the step, already restricted to what is differentiated.
-        slots: the budget in carries, ``h_0`` included (the stacks hold ``slots - 1``).
-        consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none);
-            ``init`` is ``h_first``.
-        stacks: the slot stacks, slot ``d - 1`` holding the carry at stack depth ``d``,
-            ``1 <= d <= depth`` (depth 0 is ``init``, the caller's); ``stack_pos[d]`` its
-            position (an int32 array of length ``slots``, ``stack_pos[0] = first``). A
-            carry above step ``last`` is popped.
-        last: the first step to back-propagate (a traced or static int; -1: none).
-        ct_c, ct_k: cotangents of the carry ``h_{last+1}`` and accumulated ones of the
-            float consts.
-        aux: loop state of the caller's own cotangents, threaded through:
-            ``take_cts(e, ys, aux) -> (ct_y, aux)`` gives step e's output cotangents and
-            ``give_cts(e, ct_x, aux) -> aux`` takes its input ones.
-        first: the last step to back-propagate (a traced or static int): ``h_first`` is
-            ``init``. `memento.while_loop` with a host level runs the recursion once per
-            interval between host checkpoints, from the interval's first carry.
-        carry_slots: the slots' layout, as the caller allocated and wrote them.
+    pools: list
+    positions: jax.Array
+    depth: jax.Array
 
-    Returns:
-        ``(ct_k, ct_init, aux)``.
 
-    Each step pops, then walks from the top of the stack ``h_b`` to ``h_e`` in
-    segments: from push to push (each computed from the last, written once) and on to
-    ``h_e``. Slot d - 1 holds depth d (pushes and pops are last in, first out), so no
-    free list is kept. The stacks are read outside conditionals and written by masked
-    updates, so XLA updates them in place (see `memento.loops._interpreter.run_backward`).
+class CotangentIO(NamedTuple):
+    """The caller's own cotangents, as the recursion back-propagates step ``e``:
+    ``take(e, ys, aux) -> (ct_y, aux)`` gives the step's output cotangents and
+    ``give(e, ct_x, aux) -> aux`` takes its input ones; ``aux`` is their loop state."""
 
-    On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time, only
-    while one iteration's cost model accesses under 1 KiB and holds no
-    sort or scatter. The loop is kept that small: splits come from a table (three
-    reads), no slot array but the positions, no ``cond``. A tiny body's backward (a
-    4-float carry) then runs as one kernel at any budget. A loop run an op at a time runs
-    them in order in the calling thread only while no array it touches exceeds 512 bytes
-    (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with ``carry_slots.per_leaf`` the
-    slots of each carry leaf are a pool of their own and the splits read no table.
-    """
-    never = jnp.int32(np.iinfo(np.int32).max)
-    layout = carry_slots
-    # Where the loop can run in order (``per_leaf``), splits with no table; else from the
-    # table, which keeps a tiny scan's backward one compiled kernel (the table-free search
-    # does not fit XLA:CPU's one-kernel loop size).
-    split = hsm_split_on_device if layout.per_leaf else hsm_splitter(slots)
+    take: Callable
+    give: Callable
 
-    def next_push(e, p, depth):
-        # Where the recursion pushes next from h_p with the stack at ``depth``: only while
-        # three or more steps remain (at two a push saves no evaluation) and a slot is
-        # free. Before step e, e >= first: under vmap a member that is done keeps running
-        # (its results discarded) until the last member is; it must not push.
-        ok = (e >= first) & (e - p + 1 >= 3) & (slots - depth >= 2)
-        # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
-        y = split(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
-        return _pick(ok, p + y, never)
 
-    def step(state):
-        e, stacks, stack_pos, depth, ct_c, ct_k, aux = state
-        # Pop the carry whose step was the last back-propagated.
-        depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
-        b = _get(stack_pos, depth)
-        c = layout.load(stacks, init, depth - 1, slots - 1, pos=b)
-        if slots > 1:
-            # Advance from push to push, writing each, then on to h_e: one loop.
-            def segment(state):
-                c, stacks, stack_pos, depth, p, _ = state
-                q = next_push(e, p, depth)
-                to = jnp.minimum(q, e)
-                c = advance_steps(body, consts, c, xs, p, to - p, unroll)
-                push = q < e
-                # At depth + 1.
-                stacks = layout.write(stacks, depth, c, push, pos=to)
-                above = _pick(push, q, _get(stack_pos, depth + 1))
-                stack_pos = _put(stack_pos, depth + 1, above)
-                return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
+@dataclasses.dataclass(frozen=True)
+class Recursion:
+    """HSM's binomial recursion for one loop: ``body``, the step already restricted to
+    what is differentiated; ``slots``, the budget in carries (``h_0`` included: the
+    stack holds ``slots - 1``); ``carry_slots``, the slots' layout as the caller
+    allocated and wrote them; ``unroll``, steps per iteration of the loops that
+    advance."""
 
-            state = (c, stacks, stack_pos, depth, b, jnp.bool_(True))
-            c, stacks, stack_pos, depth, _, _ = lax.while_loop(
-                lambda s: s[5] & (s[4] < e), segment, state
-            )
-        else:
-            c = advance_steps(body, consts, c, xs, b, e - b, unroll)
-        _, ys, pullback = body.linearize(consts, c, x_at(xs, e))
-        ct_y, aux = take_cts(e, ys, aux)
-        d_k, ct_c, d_x = apply_pullback(pullback, ct_c, ct_y)
-        aux = give_cts(e, d_x, aux)
-        ct_k = [a + d for a, d in zip(ct_k, d_k)]
-        return e - 1, stacks, stack_pos, depth, ct_c, ct_k, aux
+    body: Body
+    slots: int
+    carry_slots: CarrySlots
+    unroll: int = 1
 
-    state = (last, stacks, stack_pos, depth, list(ct_c), list(ct_k), aux)
-    state = lax.while_loop(lambda s: s[0] >= first, step, state)
-    return state[5], state[4], state[6]
+    def backward(
+        self,
+        consts,
+        init,
+        xs,
+        stack: Stack,
+        last,
+        ct_c,
+        ct_k,
+        aux,
+        io: CotangentIO,
+        first: int | jax.Array = 0,
+    ):
+        """Back-propagates steps ``last`` .. ``first`` by the binomial recursion over the
+        kept ``stack`` (a carry above step ``last`` is popped).
+
+        Args:
+            consts, init, xs: the loop's inputs (``xs`` indexed by step; ``[]`` for none);
+                ``init`` is ``h_first``.
+            stack: the kept carries (`Stack`), ``stack.positions[0] = first``.
+            last: the first step to back-propagate (a traced or static int; -1: none).
+            ct_c, ct_k: cotangents of the carry ``h_{last+1}`` and accumulated ones of
+                the float consts.
+            aux, io: the caller's own cotangents (`CotangentIO`), threaded through.
+            first: the last step to back-propagate (a traced or static int): ``h_first``
+                is ``init``. `memento.while_loop` with a host level runs the recursion
+                once per interval between host checkpoints, from the interval's first
+                carry.
+
+        Returns:
+            ``(ct_k, ct_init, aux)``.
+
+        Each step pops, then walks from the top of the stack ``h_b`` to ``h_e`` in
+        segments: from push to push (each computed from the last, written once) and on
+        to ``h_e``. Slot d - 1 holds depth d (pushes and pops are last in, first out), so
+        no free list is kept. The stacks are read outside conditionals and written by
+        masked updates, so XLA updates them in place (see
+        `memento.loops._interpreter.run_backward`).
+
+        On XLA:CPU a loop runs as one compiled kernel, rather than an op at a time, only
+        while one iteration's cost model accesses under 1 KiB and holds no sort or
+        scatter. The loop is kept that small: splits come from a table (three reads), no
+        slot array but the positions, no ``cond``. A tiny body's backward (a 4-float
+        carry) then runs as one kernel at any budget. A loop run an op at a time runs
+        them in order in the calling thread only while no array it touches exceeds 512
+        bytes (`memento.loops._interpreter.SMALL_ARRAY_BYTES`): with
+        ``carry_slots.per_leaf`` the slots of each carry leaf are a pool of their own and
+        the splits read no table.
+        """
+        body, slots, unroll, take_cts, give_cts = self.body, self.slots, self.unroll, *io
+        stacks, stack_pos, depth = stack
+        never = jnp.int32(np.iinfo(np.int32).max)
+        layout = self.carry_slots
+        # Where the loop can run in order (``per_leaf``), splits with no table; else from the
+        # table, which keeps a tiny scan's backward one compiled kernel (the table-free search
+        # does not fit XLA:CPU's one-kernel loop size).
+        split = hsm_split_on_device if layout.per_leaf else hsm_splitter(slots)
+
+        def next_push(e, p, depth):
+            # Where the recursion pushes next from h_p with the stack at ``depth``: only while
+            # three or more steps remain (at two a push saves no evaluation) and a slot is
+            # free. Before step e, e >= first: under vmap a member that is done keeps running
+            # (its results discarded) until the last member is; it must not push.
+            ok = (e >= first) & (e - p + 1 >= 3) & (slots - depth >= 2)
+            # Where not ok, split a harmless (3, 2) instead (cheaper than a cond here).
+            y = split(_pick(ok, e - p + 1, 3), _pick(ok, slots - depth, 2))
+            return _pick(ok, p + y, never)
+
+        def step(state):
+            e, stacks, stack_pos, depth, ct_c, ct_k, aux = state
+            # Pop the carry whose step was the last back-propagated.
+            depth = depth - ((_get(stack_pos, depth) > e) & (depth > 0)).astype(jnp.int32)
+            b = _get(stack_pos, depth)
+            c = layout.load(stacks, init, depth - 1, slots - 1, pos=b)
+            if slots > 1:
+                # Advance from push to push, writing each, then on to h_e: one loop.
+                def segment(state):
+                    c, stacks, stack_pos, depth, p, _ = state
+                    q = next_push(e, p, depth)
+                    to = jnp.minimum(q, e)
+                    c = advance_steps(body, consts, c, xs, p, to - p, unroll)
+                    push = q < e
+                    # At depth + 1.
+                    stacks = layout.write(stacks, depth, c, push, pos=to)
+                    above = _pick(push, q, _get(stack_pos, depth + 1))
+                    stack_pos = _put(stack_pos, depth + 1, above)
+                    return c, stacks, stack_pos, depth + push.astype(jnp.int32), to, push
+
+                state = (c, stacks, stack_pos, depth, b, jnp.bool_(True))
+                c, stacks, stack_pos, depth, _, _ = lax.while_loop(
+                    lambda s: s[5] & (s[4] < e), segment, state
+                )
+            else:
+                c = advance_steps(body, consts, c, xs, b, e - b, unroll)
+            _, ys, pullback = body.linearize(consts, c, x_at(xs, e))
+            ct_y, aux = take_cts(e, ys, aux)
+            d_k, ct_c, d_x = apply_pullback(pullback, ct_c, ct_y)
+            aux = give_cts(e, d_x, aux)
+            ct_k = [a + d for a, d in zip(ct_k, d_k)]
+            return e - 1, stacks, stack_pos, depth, ct_c, ct_k, aux
+
+        state = (last, stacks, stack_pos, depth, list(ct_c), list(ct_k), aux)
+        state = lax.while_loop(lambda s: s[0] >= first, step, state)
+        return state[5], state[4], state[6]
 
 
 # ----------------------------------------------------------------------------------------
@@ -500,9 +525,17 @@ def scan_backward(
     ct_xs = give_cts(t - 1, d_x, [jnp.zeros_like(x) for x in xs_f])
     stack_pos = np.zeros(slots, np.int32)
     stack_pos[1 : len(pushes) + 1] = pushes  # pushed in order: slot j holds the j-th
-    ct_k, ct_init, ct_xs = backward(
-        body, slots, consts, init, xs, stacks, jnp.int32(t - 2), jnp.asarray(stack_pos),
-        jnp.int32(len(pushes)), ct_c, ct_k, ct_xs, take_cts, give_cts, unroll,
-        carry_slots=scan_slots(body),
-    )  # fmt: skip
+    stack = Stack(stacks, jnp.asarray(stack_pos), jnp.int32(len(pushes)))
+    recursion = Recursion(body, slots, scan_slots(body), unroll)
+    ct_k, ct_init, ct_xs = recursion.backward(
+        consts,
+        init,
+        xs,
+        stack,
+        jnp.int32(t - 2),
+        ct_c,
+        ct_k,
+        ct_xs,
+        CotangentIO(take_cts, give_cts),
+    )
     return ct_k, ct_init, ct_xs

@@ -6,7 +6,7 @@ its decisions depend on the step index only, so they are a small table of events
 ``h_p`` in slot j) read by a pointer, one comparison per step.
 
 Backward pass: once n is known, the kept carries, in position order, form a stack
-(``h_0`` at the bottom), and `memento.loops._recursion.backward` back-propagates steps
+(``h_0`` at the bottom), and `memento.loops._recursion.Recursion.backward` back-propagates steps
 n-1 .. 0 by the binomial recursion over it (HSM, the split computed on device). Forward
 evaluations: ``n + sum_i C_hsm(L_i, memory - i)`` over the kept segments, exactly
 `memento.planning.online_evaluations`.
@@ -868,18 +868,21 @@ class _WhileLoop(Loop):
         ct_k = [jnp.zeros_like(k) for k in kf]
         aux = (ct_b, _no_clears(b, buf_float, self.write_spec))
         num_slots = self.events.memory - 1
+        recursion = _recursion.Recursion(b, self.slots, self.carry_slots)
+        io = _recursion.CotangentIO(take_cts, give_cts)
         if self.host:
             ct_k, ct_init, aux = _host_intervals_backward(
-                b, self.slots, consts, init, xs, hidden, num_slots, total, stack_pos,
-                stack_slot, depth, ct_c, ct_k, aux, take_cts, give_cts, self.carry_slots,
+                recursion, consts, init, xs, hidden, num_slots, total, stack_pos,
+                stack_slot, depth, ct_c, ct_k, aux, io,
             )  # fmt: skip
         else:
             # Slot d - 1 holds the carry at depth d, as the recursion keeps them.
-            hidden = self.carry_slots.reorder(hidden, stack_slot[1:])
-            ct_k, ct_init, aux = _recursion.backward(
-                b, self.slots, consts, init, xs, hidden, total - 1, stack_pos, depth, ct_c,
-                ct_k, aux, take_cts, give_cts, carry_slots=self.carry_slots,
-            )  # fmt: skip
+            stack = _recursion.Stack(
+                self.carry_slots.reorder(hidden, stack_slot[1:]), stack_pos, depth
+            )
+            ct_k, ct_init, aux = recursion.backward(
+                consts, init, xs, stack, total - 1, ct_c, ct_k, aux, io
+            )
         ct_b, pending = aux
         ct_b = _clear(ct_b, pending, buf_float, self.write_spec)  # the first step's clears
         # The cotangents of the perturbed leaves only: a carry leaf differentiated because
@@ -980,8 +983,7 @@ def _tables(events) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _host_intervals_backward(
-    body: Body,
-    slots: int,
+    recursion: _recursion.Recursion,
     consts,
     init,
     xs,
@@ -994,15 +996,14 @@ def _host_intervals_backward(
     ct_c,
     ct_k,
     aux,
-    take_cts: Callable,
-    give_cts: Callable,
-    carry_slots: _recursion.CarrySlots,
+    io: _recursion.CotangentIO,
 ):
     """Back-propagates steps ``total - 1`` .. 0 over the host checkpoints (`_stack`'s
     ``stack_pos``, ``stack_slot``, ``depth``), last interval first: each from its first
     carry, copied from its host slot to the device (``h_0`` is ``init``), by the
-    recursion in ``slots`` device slots from an empty stack; the cotangents run from one
+    ``recursion`` in its device slots from an empty stack; the cotangents run from one
     interval into the one before. Returns ``(ct_k, ct_init, aux)``."""
+    slots, carry_slots = recursion.slots, recursion.carry_slots
     never = jnp.int32(np.iinfo(np.int32).max)
     ends = jnp.concatenate([stack_pos[1:], never[None]])  # past the last kept carry
 
@@ -1014,10 +1015,10 @@ def _host_intervals_backward(
         c = carry_slots.load(host, init, slot, num_host, pos=start)
         stacks = carry_slots.allocate(slots - 1)
         positions = jnp.zeros(slots, jnp.int32).at[0].set(start)
-        ct_k, ct_c, aux = _recursion.backward(
-            body, slots, consts, c, xs, stacks, end - 1, positions, jnp.int32(0), ct_c, ct_k,
-            aux, take_cts, give_cts, first=start, carry_slots=carry_slots,
-        )  # fmt: skip
+        stack = _recursion.Stack(stacks, positions, jnp.int32(0))
+        ct_k, ct_c, aux = recursion.backward(
+            consts, c, xs, stack, end - 1, ct_c, ct_k, aux, io, first=start
+        )
         return d - 1, ct_c, ct_k, aux
 
     state = (depth, list(ct_c), list(ct_k), aux)
