@@ -183,7 +183,7 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
     budget = request.memory if isinstance(request.memory, Bytes) else slots
     profile = step_profile(body)
     step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
-    sizes = _static_sizes(body, spec)
+    sizes = _static_sizes(body, spec, profile.largest)
     return _Fit(body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step)
 
 
@@ -242,7 +242,8 @@ def _static_unavailable(body: Body) -> tuple:
     return tuple(sorted({axis for a in avals for axis in varying(a)}))
 
 
-def _static_sizes(body: Body, spec) -> _Sizes:
+def _static_sizes(body: Body, spec, largest: int) -> _Sizes:
+    """``largest``: the step's largest intermediate, in bytes (`step_profile`)."""
     carry = nbytes(body.carry_avals)
     residual = nbytes(spec.stored)
     xs = nbytes(body.x_avals)
@@ -252,7 +253,7 @@ def _static_sizes(body: Body, spec) -> _Sizes:
     consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
     # One step's VJP in flight (its internal state and carry, an x, its largest
     # intermediate) and the closed-over arrays' cotangents.
-    working = residual + carry + xs + max(_CONTROL_BYTES, step_profile(body).largest)
+    working = residual + carry + xs + max(_CONTROL_BYTES, largest)
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
@@ -324,13 +325,13 @@ def _loop_fit(fit: _Fit) -> Choice:
     chosen = choose_policy(
         fit.num_steps, slots, fit.alpha, request.policy, name=request.name, charges=charges
     )
-    if chosen == "hsm":
-        slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     least = recursion_min_steps(fit.backend)
     if chosen == "hsm" and request.executor == "auto" and fit.num_steps >= least:
         return _recursion_fit(
             fit, slots, f"HSM runs as the recursion from {least:,} steps on {fit.backend}"
         )
+    if chosen == "hsm":  # (`_recursion_fit` caps its own)
+        slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     rows = _rows_fit(fit, slots, charges)
     if rows is None:  # auto: the rows do not fit a byte budget; the recursion keeps none
         reason = "the schedule's rows would not fit the byte budget; the recursion keeps none"
@@ -352,7 +353,7 @@ def _rows_fit(fit: _Fit, slots: int, charges) -> Choice | None:
             fit.num_steps, m, fit.alpha, request.policy, name=request.name, charges=charges
         )
         prog = _compile(schedule)
-        used = pool_bytes(prog, fit.body, fit.spec)
+        pools = used = pool_bytes(prog, fit.body, fit.spec)
         allowed = (slots - int(schedule.counts_initial)) * sizes.carry
         if isinstance(budget, Bytes):  # the program's bytes: the rows count too
             used += prog.runtime_bytes
@@ -377,13 +378,16 @@ def _rows_fit(fit: _Fit, slots: int, charges) -> Choice | None:
         f"({prog.runtime_bytes:,} bytes) read by one loop"
         + (", predicted faster than the static nests that fit." if chose else ".")
     )
-    return _rows_choice(fit, m, schedule, prog, why)
+    return _rows_choice(fit, m, schedule, prog, pools, why)
 
 
-def _rows_choice(fit: _Fit, slots: int, schedule: Schedule, prog: Program, why: str) -> Choice:
+def _rows_choice(
+    fit: _Fit, slots: int, schedule: Schedule, prog: Program, pools: int, why: str
+) -> Choice:
+    """``pools``: the bytes of ``prog``'s pools (`pool_bytes`)."""
     evaluations = schedule.cost
     iterations = evaluations + len(prog.primal_rows)
-    program_bytes = pool_bytes(prog, fit.body, fit.spec) + prog.runtime_bytes + fit.sizes.fixed
+    program_bytes = pools + prog.runtime_bytes + fit.sizes.fixed
     return Choice(
         "rows", schedule.policy, slots, evaluations, iterations, program_bytes,
         fit.seconds(evaluations, iterations, "rows"), prog, lambda: schedule, why,
@@ -447,7 +451,7 @@ def _two_level_fit(fit: _Fit, h: int | float, pair: tuple[float, float]) -> Choi
         f"The optimal {schedule.policy.upper()} schedule of Gruslys et al. with a host "
         f"level, as rows of data ({prog.runtime_bytes:,} bytes) read by one loop."
     )
-    return _rows_choice(fit, m, schedule, prog, why)
+    return _rows_choice(fit, m, schedule, prog, used, why)
 
 
 @functools.lru_cache(maxsize=64)
