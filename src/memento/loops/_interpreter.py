@@ -592,231 +592,255 @@ def run_backward(
     Returns:
         ``(ct_consts_f, ct_init_f, ct_xs_f)``, float leaves only; ``None`` where not needed.
     """
-    t = prog.num_steps
-    layout = _Layout.of(prog, body, spec)
-    host = _Layout.of(prog, body, spec, host=True) if prog.has_host else None
     kf, _ = split(consts, body.const_mask)
-    n_stored = len(spec.stored)
     xs_f, _ = split(xs, body.x_mask)
-
-    # The rows are run-time data (`runtime_arrays`), one callback for the backward pass.
-    primal_rows, segment_end, backward_rows = runtime_arrays(
-        (prog.primal_rows, prog.segment_end, prog.backward_rows)
-    )
-
-    # -- the primal rows ----------------------------------------------------------------
-    # XLA copies a buffer that goes through a conditional whose branches both read it
-    # and hand it back; a branch that writes it, against one that passes it unchanged,
-    # stays in place. So slot reads happen outside any conditional, hidden saves are
-    # masked writes, internal saves a write-or-identity ``cond``, and the ``switch``
-    # only sees the (small) working carry.
-    rows_ops = set(prog.primal_rows[:, 0].tolist())
-    SAVE_H, SAVE_I = _BRANCH[Op.SAVE_HIDDEN], _BRANCH[Op.SAVE_INTERNAL]
-    LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
-    HSAVE_H, HSAVE_I = _BRANCH[Op.HOST_SAVE_HIDDEN], _BRANCH[Op.HOST_SAVE_INTERNAL]
-    HLOAD_H, HLOAD_I = _BRANCH[Op.HOST_LOAD_HIDDEN], _BRANCH[Op.HOST_LOAD_INTERNAL]
-
-    def advance(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return advance_steps(body, consts, c, xs, pos, arg, unroll)
-
-    def keep(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return c
-
-    def take_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return loaded_h
-
-    def take_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        return loaded_i
-
-    # Host loads read the host pools inside their branch: the copy back runs only on the
-    # row that loads (a read in a branch leaves the pools in place).
-    def take_host_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        assert host is not None  # host rows come with host slots
-        return host.load_hidden(Slots([], hpools), init, (arg, b), pos=pos)
-
-    def take_host_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
-        assert host is not None  # host rows come with host slots
-        return host.load_internal(Slots([], hpools), (arg, b), step=pos - 1)[n_stored:]
-
-    # switch index per primal branch: ADVANCE, SAVE_H, SAVE_I, LOAD_H, LOAD_I, and the
-    # host's SAVE_H, SAVE_I, LOAD_H, LOAD_I
-    switch_of = jnp.asarray([0, 1, 1, 2, 3, 1, 1, 4, 5], jnp.int32)
-    switch_branches = (
-        advance,
-        keep,
-        take_hidden,
-        take_internal,
-        take_host_hidden if HLOAD_H in rows_ops else keep,  # every branch is traced
-        take_host_internal if HLOAD_I in rows_ops else keep,
-    )
-
-    def internal_saver(level):
-        def save_internal(c, slots, at, pos):
-            c_new, _, res = body.save(spec, consts, c, x_at(xs, pos))
-            extra = c_new if prog.loads_internal else []
-            return c_new, level.save_internal(slots, at, res + extra, pos=pos)
-
-        return save_internal
-
-    # Debug mode (`_pool.checks_enabled`) also tracks ``cur``, the working state's
-    # position: a row that runs from the working state must find it at its position.
-    track = layout.tagged
-    ADV = _BRANCH[Op.ADVANCE]
-
-    def run_primal(c, slots, lo, hi, cur):
-        if len(prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
-            return c, slots, cur
-
-        def cond(state):
-            return state[0] < hi
-
-        def body_fn(state):
-            pc, c, slots, cur = state
-            # Each entry read on its own, as the sweep scans its columns one by one.
-            branch, arg, pos = primal_rows[pc, 0], primal_rows[pc, 1], primal_rows[pc, 3]
-            at = (arg, primal_rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
-            if SAVE_I in rows_ops:
-                c, slots = lax.cond(
-                    branch == SAVE_I,
-                    internal_saver(layout),
-                    lambda c, s, *_: (c, s),
-                    c,
-                    slots,
-                    at,
-                    pos,
-                )
-            if HSAVE_I in rows_ops:
-                c, slots = lax.cond(
-                    branch == HSAVE_I,
-                    internal_saver(host),
-                    lambda c, s, *_: (c, s),
-                    c,
-                    slots,
-                    at,
-                    pos,
-                )
-            if SAVE_H in rows_ops:
-                slots = layout.save_hidden(slots, at, c, branch == SAVE_H, pos=pos)
-            if HSAVE_H in rows_ops:
-                assert host is not None
-                slots = host.save_hidden(slots, at, c, branch == HSAVE_H, pos=pos)
-            loaded_h = loaded_i = c
-            if LOAD_H in rows_ops:
-                loaded_h = layout.load_hidden(slots, init, at, pos=pos, active=branch == LOAD_H)
-            if LOAD_I in rows_ops:
-                # LOAD_INTERNAL at pos: the output state of step pos - 1.
-                loaded_i = layout.load_internal(slots, at, step=pos - 1, active=branch == LOAD_I)[
-                    n_stored:
-                ]
-            c = lax.switch(
-                switch_of[branch], switch_branches, c, loaded_h, loaded_i, slots.host, *at, pos
-            )
-            if track:
-                loads = (branch == LOAD_H) | (branch == LOAD_I)
-                loads |= (branch == HLOAD_H) | (branch == HLOAD_I)
-                _pool.check(loads | (cur == pos), "a row's working state is not at its position")
-                saves_i = (branch == SAVE_I) | (branch == HSAVE_I)
-                cur = jnp.select([branch == ADV, saves_i, loads], [pos + arg, pos + 1, pos], cur)
-            return pc + 1, c, slots, cur
-
-        _, c, slots, cur = lax.while_loop(cond, body_fn, (lo, c, slots, cur))
-        return c, slots, cur
-
-    # -- one backward -------------------------------------------------------------------
-    # The pool may be *read* inside a conditional (only handing it back copies it), so a
-    # stored backward reads its slot in its own branch and fused ones read nothing.
-    def fused_bw(c, slots, slot, p, ct_c, ct_y):
-        return apply_pullback(body.linearize(consts, c, x_at(xs, p))[2], ct_c, ct_y)
-
-    def stored_from(level):
-        def stored_bw(c, slots, slot, p, ct_c, ct_y):
-            stored = level.load_internal(slots, slot, step=p)[:n_stored]  # slot: (nh, ni)
-            return apply_pullback(body.restore(spec, stored, consts, x_at(xs, p)), ct_c, ct_y)
-
-        return stored_bw
-
-    stored_bw = stored_from(layout)
-
-    def either_bw(kind, branches):
-        # Several kinds in one schedule (MSM, two levels): choose at run time; the
-        # pullback's results are plain arrays, so the branches agree in type.
-        def bw(c, slots, slot, p, ct_c, ct_y):
-            return lax.switch(kind, branches, c, slots, slot, p, ct_c, ct_y)
-
-        return bw
-
-    def backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs):
-        ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in ct_ys]
-        d_k, d_c, d_x = bw(c, slots, slot, p, ct_c, ct_y)
-        d_k = [d for d, n in zip(d_k, need_k) if n]  # the rest is dead code for XLA
-        d_x = [d for d, n in zip(d_x, need_x) if n]
-        ct_k = [a + b for a, b in zip(ct_k, d_k)]
-        ct_xs = [
-            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
-        ]
-        return d_c, ct_k, ct_xs
-
     need_k = list(need_consts) if need_consts is not None else [True] * len(kf)
     need_x = list(need_xs) if need_xs is not None else [True] * len(xs_f)
+    walk = _Backward(prog, body, spec, consts, init, xs, working, ct_ys, need_k, need_x, unroll)
     ct_k0 = [jnp.zeros_like(k) for k, n in zip(kf, need_k) if n]
     ct_xs0 = [jnp.zeros_like(x) for x, n in zip(xs_f, need_x) if n]
-
-    # The first backward: step t-1, from the working state or from its internal slot.
-    if prog.fused_last:
-
-        def first_bw(c, slots, slot, p, ct_c, ct_y):
-            return apply_pullback(body.restore(spec, working, consts, x_at(xs, p)), ct_c, ct_y)
-    elif prog.backward_rows[0, 3]:
-        first_bw = stored_from(host)
-    else:
-        first_bw = stored_bw
-    first_slot = (int(prog.backward_rows[0, 1]), int(prog.backward_rows[0, 2]))
-    ct_c, ct_k, ct_xs = backward_step(
-        first_bw, init, slots, first_slot, t - 1, list(ct_carry), ct_k0, ct_xs0
-    )
-
-    c0 = list(init)  # the working state; meaningless until loaded
-
-    def outer_cond(state):
-        return state[0] < t
-
-    def outer_body(state):
-        k, c, slots, ct_c, ct_k, ct_xs, cur = state
-        c, slots, cur = run_primal(c, slots, segment_end[k - 1], segment_end[k], cur)
-        fused, slot = backward_rows[k, 0], (backward_rows[k, 1], backward_rows[k, 2])
-        p = t - 1 - k
-        if track:
-            _pool.check((fused == 0) | (cur == p), "a fused backward's state is not h_p")
-        # The kinds of backward this program has: fused (code 0), from a device internal
-        # state (1), from a host one (2); a switch over those present.
-        kinds = [
-            (code, fn)
-            for code, has, fn in (
-                (0, prog.any_fused, fused_bw),
-                (1, prog.any_internal, stored_bw),
-                (2, prog.any_host_internal, stored_from(host) if host is not None else None),
-            )
-            if has and fn is not None
-        ]
-        if len(kinds) > 1:
-            code = jnp.where(fused == 1, 0, jnp.where(backward_rows[k, 3] == 1, 2, 1))
-            branch_of = np.zeros(3, np.int32)
-            for i, (c_, _) in enumerate(kinds):
-                branch_of[c_] = i
-            bw = either_bw(jnp.asarray(branch_of)[code], [fn for _, fn in kinds])
-        else:
-            bw = kinds[0][1] if kinds else stored_bw
-        ct_c, ct_k, ct_xs = backward_step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs)
-        return k + 1, c, slots, ct_c, ct_k, ct_xs, cur
-
-    # c0 is h_0 (unused until a row loads or advances from it), so cur starts at 0.
-    state = (jnp.int32(1), c0, slots, ct_c, ct_k, ct_xs, jnp.int32(0))
-    if t > 1:
-        state = lax.while_loop(outer_cond, outer_body, state)
-    _, _, _, ct_c, ct_k, ct_xs, _ = state
+    ct_c, ct_k, ct_xs = walk.run(slots, list(ct_carry), ct_k0, ct_xs0)
     ct_k, ct_xs = iter(ct_k), iter(ct_xs)
     return (
         [next(ct_k) if n else None for n in need_k],
         ct_c,
         [next(ct_xs) if n else None for n in need_x],
     )
+
+
+class _Backward:
+    """`run_backward`'s walk: the outer loop over the steps to back-propagate, t-1 down
+    to 0, and for each the primal rows before it (`primal`), then its backward step.
+
+    Debug mode (`_pool.checks_enabled`) also tracks ``cur``, the working state's
+    position: a row that runs from the working state must find it at its position.
+    """
+
+    def __init__(self, prog, body, spec, consts, init, xs, working, ct_ys, need_k, need_x, unroll):
+        self.prog, self.body, self.spec = prog, body, spec
+        self.consts, self.init, self.xs, self.working, self.ct_ys = consts, init, xs, working, ct_ys
+        self.need_k, self.need_x, self.unroll = need_k, need_x, unroll
+        self.layout = _Layout.of(prog, body, spec)
+        self.host = _Layout.of(prog, body, spec, host=True) if prog.has_host else None
+        self.n_stored = len(spec.stored)
+        self.track = self.layout.tagged
+        # The rows are run-time data (`runtime_arrays`), one callback for the backward.
+        self.primal_rows, self.segment_end, self.backward_rows = runtime_arrays(
+            (prog.primal_rows, prog.segment_end, prog.backward_rows)
+        )
+        self.rows_ops = set(prog.primal_rows[:, 0].tolist())
+
+    def run(self, slots, ct_c, ct_k, ct_xs):
+        """``(ct_c, ct_k, ct_xs)`` after every step's backward."""
+        prog, t = self.prog, self.prog.num_steps
+        # The first backward: step t-1, from the working state or from its internal slot.
+        first_slot = (int(prog.backward_rows[0, 1]), int(prog.backward_rows[0, 2]))
+        ct_c, ct_k, ct_xs = self.step(
+            self._first_bw(), self.init, slots, first_slot, t - 1, ct_c, ct_k, ct_xs
+        )
+        # The working state starts as h_0 (unused until a row loads or advances from
+        # it), so cur starts at 0.
+        state = (jnp.int32(1), list(self.init), slots, ct_c, ct_k, ct_xs, jnp.int32(0))
+        if t > 1:
+            state = lax.while_loop(lambda s: s[0] < t, self._segment, state)
+        return state[3], state[4], state[5]
+
+    def _segment(self, state):
+        """The primal rows before the ``k``-th backward step, then that step."""
+        k, c, slots, ct_c, ct_k, ct_xs, cur = state
+        c, slots, cur = self.primal(c, slots, self.segment_end[k - 1], self.segment_end[k], cur)
+        rows = self.backward_rows
+        fused, slot = rows[k, 0], (rows[k, 1], rows[k, 2])
+        p = self.prog.num_steps - 1 - k
+        if self.track:
+            _pool.check((fused == 0) | (cur == p), "a fused backward's state is not h_p")
+        bw = self._bw_of(fused, rows[k, 3])
+        ct_c, ct_k, ct_xs = self.step(bw, c, slots, slot, p, ct_c, ct_k, ct_xs)
+        return k + 1, c, slots, ct_c, ct_k, ct_xs, cur
+
+    # -- one backward --------------------------------------------------------------------
+    # The pool may be *read* inside a conditional (only handing it back copies it), so a
+    # stored backward reads its slot in its own branch and fused ones read nothing.
+
+    def step(self, bw, c, slots, slot, p, ct_c, ct_k, ct_xs):
+        """Step ``p``'s backward by ``bw``, its cotangents added to the running ones."""
+        ct_y = [lax.dynamic_index_in_dim(y, p, 0, keepdims=False) for y in self.ct_ys]
+        d_k, d_c, d_x = bw(c, slots, slot, p, ct_c, ct_y)
+        d_k = [d for d, n in zip(d_k, self.need_k) if n]  # the rest is dead code for XLA
+        d_x = [d for d, n in zip(d_x, self.need_x) if n]
+        ct_k = [a + b for a, b in zip(ct_k, d_k)]
+        ct_xs = [
+            lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), p, 0) for a, b in zip(ct_xs, d_x)
+        ]
+        return d_c, ct_k, ct_xs
+
+    def _fused_bw(self, c, slots, slot, p, ct_c, ct_y):
+        b = self.body
+        return apply_pullback(b.linearize(self.consts, c, x_at(self.xs, p))[2], ct_c, ct_y)
+
+    def _stored_from(self, level):
+        def stored_bw(c, slots, slot, p, ct_c, ct_y):
+            stored = level.load_internal(slots, slot, step=p)[: self.n_stored]  # (nh, ni)
+            pullback = self.body.restore(self.spec, stored, self.consts, x_at(self.xs, p))
+            return apply_pullback(pullback, ct_c, ct_y)
+
+        return stored_bw
+
+    def _first_bw(self):
+        if self.prog.fused_last:
+
+            def first_bw(c, slots, slot, p, ct_c, ct_y):
+                b, x = self.body, x_at(self.xs, p)
+                return apply_pullback(
+                    b.restore(self.spec, self.working, self.consts, x), ct_c, ct_y
+                )
+
+            return first_bw
+        return self._stored_from(self.host if self.prog.backward_rows[0, 3] else self.layout)
+
+    def _bw_of(self, fused, on_host):
+        """The backward of a step whose row says ``fused`` and ``on_host``: a switch over
+        the kinds this program has, fused (code 0), from a device internal state (1), from
+        a host one (2); the pullbacks' results are plain arrays, so the branches agree."""
+        prog, host = self.prog, self.host
+        kinds = [
+            (code, fn)
+            for code, has, fn in (
+                (0, prog.any_fused, self._fused_bw),
+                (1, prog.any_internal, self._stored_from(self.layout)),
+                (2, prog.any_host_internal, self._stored_from(host) if host is not None else None),
+            )
+            if has and fn is not None
+        ]
+        if not kinds:
+            return self._stored_from(self.layout)
+        if len(kinds) == 1:
+            return kinds[0][1]
+        code = jnp.where(fused == 1, 0, jnp.where(on_host == 1, 2, 1))
+        branch_of = np.zeros(3, np.int32)
+        for i, (c_, _) in enumerate(kinds):
+            branch_of[c_] = i
+        kind, branches = jnp.asarray(branch_of)[code], [fn for _, fn in kinds]
+
+        def bw(c, slots, slot, p, ct_c, ct_y):
+            return lax.switch(kind, branches, c, slots, slot, p, ct_c, ct_y)
+
+        return bw
+
+    # -- the primal rows -----------------------------------------------------------------
+    # XLA copies a buffer that goes through a conditional whose branches both read it
+    # and hand it back; a branch that writes it, against one that passes it unchanged,
+    # stays in place. So slot reads happen outside any conditional, hidden saves are
+    # masked writes, internal saves a write-or-identity ``cond``, and the ``switch``
+    # only sees the (small) working carry.
+
+    def primal(self, c, slots, lo, hi, cur):
+        """Runs the primal rows ``lo`` to ``hi``: ``(c, slots, cur)`` after them."""
+        if len(self.prog.primal_rows) == 0:  # e.g. everything stored: nothing to recompute
+            return c, slots, cur
+        _, c, slots, cur = lax.while_loop(
+            lambda state: state[0] < hi, self._primal_row, (lo, c, slots, cur)
+        )
+        return c, slots, cur
+
+    def _primal_row(self, state):
+        pc, c, slots, cur = state
+        rows, ops, layout, host = self.primal_rows, self.rows_ops, self.layout, self.host
+        # Each entry read on its own, as the sweep scans its columns one by one.
+        branch, arg, pos = rows[pc, 0], rows[pc, 1], rows[pc, 3]
+        at = (arg, rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
+        for op, level in ((Op.SAVE_INTERNAL, layout), (Op.HOST_SAVE_INTERNAL, host)):
+            if _BRANCH[op] in ops:
+                c, slots = lax.cond(
+                    branch == _BRANCH[op],
+                    self._internal_saver(level),
+                    lambda c, s, *_: (c, s),
+                    c,
+                    slots,
+                    at,
+                    pos,
+                )
+        if _BRANCH[Op.SAVE_HIDDEN] in ops:
+            slots = layout.save_hidden(slots, at, c, branch == _BRANCH[Op.SAVE_HIDDEN], pos=pos)
+        if _BRANCH[Op.HOST_SAVE_HIDDEN] in ops:
+            assert host is not None
+            slots = host.save_hidden(slots, at, c, branch == _BRANCH[Op.HOST_SAVE_HIDDEN], pos=pos)
+        LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
+        loaded_h = loaded_i = c
+        if LOAD_H in ops:
+            loaded_h = layout.load_hidden(slots, self.init, at, pos=pos, active=branch == LOAD_H)
+        if LOAD_I in ops:
+            # LOAD_INTERNAL at pos: the output state of step pos - 1.
+            loaded = layout.load_internal(slots, at, step=pos - 1, active=branch == LOAD_I)
+            loaded_i = loaded[self.n_stored :]
+        c = lax.switch(
+            jnp.asarray(_SWITCH_OF)[branch],
+            self._branches(),
+            c,
+            loaded_h,
+            loaded_i,
+            slots.host,
+            *at,
+            pos,
+        )
+        if self.track:
+            loads = (branch == LOAD_H) | (branch == LOAD_I)
+            loads |= branch == _BRANCH[Op.HOST_LOAD_HIDDEN]
+            loads |= branch == _BRANCH[Op.HOST_LOAD_INTERNAL]
+            _pool.check(loads | (cur == pos), "a row's working state is not at its position")
+            saves_i = branch == _BRANCH[Op.SAVE_INTERNAL]
+            saves_i |= branch == _BRANCH[Op.HOST_SAVE_INTERNAL]
+            advanced = branch == _BRANCH[Op.ADVANCE]
+            cur = jnp.select([advanced, saves_i, loads], [pos + arg, pos + 1, pos], cur)
+        return pc + 1, c, slots, cur
+
+    def _internal_saver(self, level):
+        def save_internal(c, slots, at, pos):
+            c_new, _, res = self.body.save(self.spec, self.consts, c, x_at(self.xs, pos))
+            extra = c_new if self.prog.loads_internal else []
+            return c_new, level.save_internal(slots, at, res + extra, pos=pos)
+
+        return save_internal
+
+    def _branches(self) -> tuple:
+        """The ``switch``'s branches (`_SWITCH_OF`), each ``(c, loaded_h, loaded_i,
+        host_pools, arg, b, pos) -> c``: advance, keep, take the loaded hidden or internal
+        state, load a host one. Host loads read the host pools inside their branch: the
+        copy back runs only on the row that loads (a read in a branch leaves the pools in
+        place). Every branch is traced: absent host loads keep the state."""
+        host, n_stored = self.host, self.n_stored
+
+        def advance(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            return advance_steps(self.body, self.consts, c, self.xs, pos, arg, self.unroll)
+
+        def keep(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            return c
+
+        def take_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            return loaded_h
+
+        def take_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            return loaded_i
+
+        def take_host_hidden(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            assert host is not None  # host rows come with host slots
+            return host.load_hidden(Slots([], hpools), self.init, (arg, b), pos=pos)
+
+        def take_host_internal(c, loaded_h, loaded_i, hpools, arg, b, pos):
+            assert host is not None  # host rows come with host slots
+            return host.load_internal(Slots([], hpools), (arg, b), step=pos - 1)[n_stored:]
+
+        ops = self.rows_ops
+        return (
+            advance,
+            keep,
+            take_hidden,
+            take_internal,
+            take_host_hidden if _BRANCH[Op.HOST_LOAD_HIDDEN] in ops else keep,
+            take_host_internal if _BRANCH[Op.HOST_LOAD_INTERNAL] in ops else keep,
+        )
+
+
+# The switch index of each primal branch (`_PRIMAL_OPS`): ADVANCE, SAVE_H, SAVE_I,
+# LOAD_H, LOAD_I, and the host's SAVE_H, SAVE_I, LOAD_H, LOAD_I (`_Backward._branches`).
+_SWITCH_OF = np.asarray([0, 1, 1, 2, 3, 1, 1, 4, 5], np.int32)

@@ -45,7 +45,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
 from ..planning import online_events
-from ..planning.internals import host_slots, read_request
+from ..planning.internals import Request, host_slots, read_request
 from . import _recursion
 from ._body import (
     Body,
@@ -238,7 +238,6 @@ def while_loop(
         transfer_cost=transfer_cost,
         bounded=steps is not None,
     )
-    budget, host_budget = request.memory, request.host
 
     init_leaves, init_tree = jax.tree_util.tree_flatten(init_val)
     is_buffer = _buffer_mask(buffers, init_val, init_leaves)
@@ -259,52 +258,7 @@ def while_loop(
     # What ``buf.at[i].get()`` reads: the value before the outermost loop that owns it.
     initials = [a if o is None else o.initial for o, a in zip(outer, buffers0)]
 
-    def as_step(body_fun, writes, c, x):
-        # The carry without its buffers; the buffers are write-only stand-ins that
-        # record what the body writes, returned as the step's outputs. ``active`` (a bool
-        # input) says whether the step is taken: under vmap the batch steps until its
-        # last member stops, and a member already stopped keeps its carry and writes
-        # nothing (see `_differentiable_run`); otherwise it is always True. The buffers'
-        # arrays are inputs too, read only by loops nested in the body that write them
-        # (a whole-buffer output, `_WHOLE`); the other steps leave them unused.
-        active, *arrays = x
-        stand_ins = [
-            _Buffer(j, a, initial=b, array=arr)
-            for j, (a, b, arr) in enumerate(zip(buffer_avals, initials, arrays))
-        ]
-        full = _merge_buffers(c, stand_ins, is_buffer)
-        out = body_fun(jax.tree_util.tree_unflatten(init_tree, full))
-        is_stand_in = lambda x: isinstance(x, _Buffer)  # noqa: E731
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_stand_in)
-        if out_tree != init_tree:
-            raise structure_error(_NAME, init_tree, out, is_leaf=is_stand_in)
-        new_c, ys = [], []
-        writes.clear()
-        j = 0
-        for leaf, b, old in zip(out_leaves, is_buffer, full):
-            if not b:
-                if isinstance(leaf, _Buffer):
-                    raise TypeError(f"{_NAME}: body_fun moved a buffer to a non-buffer leaf.")
-                # A leaf returned as it came is left so (a read-only leaf, see below).
-                new_c.append(leaf if leaf is old else _select(active, leaf, old))
-                continue
-            if not (isinstance(leaf, _Buffer) and leaf.number == j):
-                raise TypeError(
-                    f"{_NAME}: body_fun must return buffer {j} as written with "
-                    f"buf.at[i].set(x) (got {type(leaf).__name__}); buffers are write-only "
-                    "inside the loop."
-                )
-            if leaf.threaded:
-                # Written by a nested loop: the step outputs the whole array (a stopped
-                # member's unchanged).
-                writes.append((j, _WHOLE, False))
-                ys.append(_select(active, leaf.thread(), arrays[j]))
-            for idx, value, pred in () if leaf.threaded else leaf.writes:
-                pred = active if pred is None else pred & active
-                writes.append((j, len(idx), True))
-                ys.extend([*idx, value, pred])
-            j += 1
-        return new_c, ys
+    as_step = _Step(init_tree, tuple(is_buffer), tuple(buffer_avals), tuple(initials))
 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(init_val)]
     paths = [p for p, b in zip(paths, is_buffer) if not b]
@@ -333,38 +287,7 @@ def while_loop(
     loop_cond = inputs_to_consts(cond_jaxpr, fixed_in_full)
     is_loop_buffer = [b for b, r in zip(is_buffer, fixed_in_full) if not r]
 
-    carry_bytes = nbytes(body.carry_avals)
-    if budget is None:
-        assert steps is not None  # memory=None without max_steps was refused above
-        slots = steps + 1
-    else:
-        need = None if steps is None else steps + 1  # what memory=None keeps
-        slots = to_slots(budget, carry_bytes, name=_NAME, need=need)
-    if steps is not None:
-        slots = min(slots, steps + 1)  # more than one slot per carry is never used
-    host = 0 if host_budget is None else host_slots(host_budget, carry_bytes, name=_NAME)
-    if steps is not None and slots == steps + 1:
-        host = 0  # the device alone keeps every carry
-    elif steps is not None and host >= steps:
-        # The host keeps every carry: the backward recomputes nothing, and needs no slot
-        # on the device besides the carry it loads.
-        host, slots = steps, 1
-    elif min(host + 1, _MAX_POLICY_SLOTS) < min(slots, _MAX_POLICY_SLOTS):
-        # The forward keeps its carries on the host only: fewer host slots than device
-        # ones would keep fewer carries than the device alone, and evaluate more (up to
-        # 1.4x, `online_evaluations`). The one-level loop runs instead.
-        host = 0
-    if host:
-        # The forward keeps its carries in host slots by the online policy (h_0, the
-        # caller's, is its first slot); the backward reverses each host interval on the
-        # device by the recursion, from an empty stack, in ``slots`` slots. Finite here:
-        # math.inf without max_steps was refused above, and with it became max_steps.
-        host = int(host)
-        what = f"host_memory={host} slots (with h_0, {host + 1})"
-        events = online_events(_policy_slots(host + 1, steps, what), steps)
-    else:
-        slots = _policy_slots(slots, steps, f"a budget of {slots} slots")
-        events = online_events(slots, None if steps is None else max(steps, 1))
+    slots, host, events = _online_slots(request, steps, nbytes(body.carry_avals))
 
     loop_cond_consts = [*cond_consts, *fixed]
     loop = _WhileLoop(
@@ -407,6 +330,106 @@ def while_loop(
     # predicate ends with it false).
     still = jax_core.eval_jaxpr(cond_jaxpr, list(cond_consts), *final)[0]
     return out, jnp.asarray(still, jnp.bool_)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+    """A ``body_fun`` as a step of the carry without its buffers (`make_body`), called
+    as ``step(body_fun, writes, c, x)``: ``writes`` gets what the step writes to each
+    buffer; ``init_tree`` and ``is_buffer`` are the carry's structure and which of its
+    leaves are buffers, ``buffer_avals`` and ``initials`` those buffers' shapes and
+    values before the outermost loop that owns them (what ``buf.at[i].get()`` reads)."""
+
+    init_tree: Any
+    is_buffer: tuple[bool, ...]
+    buffer_avals: tuple
+    initials: tuple
+
+    def __call__(self, body_fun: Callable, writes: list, c, x):
+        # The carry without its buffers; the buffers are write-only stand-ins that
+        # record what the body writes, returned as the step's outputs. ``active`` (a bool
+        # input) says whether the step is taken: under vmap the batch steps until its
+        # last member stops, and a member already stopped keeps its carry and writes
+        # nothing (see `_differentiable_run`); otherwise it is always True. The buffers'
+        # arrays are inputs too, read only by loops nested in the body that write them
+        # (a whole-buffer output, `_WHOLE`); the other steps leave them unused.
+        active, *arrays = x
+        stand_ins = [
+            _Buffer(j, a, initial=b, array=arr)
+            for j, (a, b, arr) in enumerate(zip(self.buffer_avals, self.initials, arrays))
+        ]
+        full = _merge_buffers(c, stand_ins, self.is_buffer)
+        out = body_fun(jax.tree_util.tree_unflatten(self.init_tree, full))
+        is_stand_in = lambda x: isinstance(x, _Buffer)  # noqa: E731
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_stand_in)
+        if out_tree != self.init_tree:
+            raise structure_error(_NAME, self.init_tree, out, is_leaf=is_stand_in)
+        new_c, ys = [], []
+        writes.clear()
+        j = 0
+        for leaf, b, old in zip(out_leaves, self.is_buffer, full):
+            if not b:
+                if isinstance(leaf, _Buffer):
+                    raise TypeError(f"{_NAME}: body_fun moved a buffer to a non-buffer leaf.")
+                # A leaf returned as it came is left so (read-only: `Body.readonly_carry`).
+                new_c.append(leaf if leaf is old else _select(active, leaf, old))
+                continue
+            if not (isinstance(leaf, _Buffer) and leaf.number == j):
+                raise TypeError(
+                    f"{_NAME}: body_fun must return buffer {j} as written with "
+                    f"buf.at[i].set(x) (got {type(leaf).__name__}); buffers are write-only "
+                    "inside the loop."
+                )
+            if leaf.threaded:
+                # Written by a nested loop: the step outputs the whole array (a stopped
+                # member's unchanged).
+                writes.append((j, _WHOLE, False))
+                ys.append(_select(active, leaf.thread(), arrays[j]))
+            for idx, value, pred in () if leaf.threaded else leaf.writes:
+                pred = active if pred is None else pred & active
+                writes.append((j, len(idx), True))
+                ys.extend([*idx, value, pred])
+            j += 1
+        return new_c, ys
+
+
+def _online_slots(request: Request, steps: int | None, carry_bytes: int):
+    """``(slots, host, events)`` of a while loop of at most ``steps`` steps (None: no
+    bound) as ``request`` asks: its device slots, its host slots (0: one level), and the
+    online policy's event table for the level that keeps the forward pass's carries."""
+    budget, host_budget = request.memory, request.host
+    if budget is None:
+        assert steps is not None  # memory=None without max_steps was refused above
+        slots = steps + 1
+    else:
+        need = None if steps is None else steps + 1  # what memory=None keeps
+        slots = to_slots(budget, carry_bytes, name=_NAME, need=need)
+    if steps is not None:
+        slots = min(slots, steps + 1)  # more than one slot per carry is never used
+    host = 0 if host_budget is None else host_slots(host_budget, carry_bytes, name=_NAME)
+    if steps is not None and slots == steps + 1:
+        host = 0  # the device alone keeps every carry
+    elif steps is not None and host >= steps:
+        # The host keeps every carry: the backward recomputes nothing, and needs no slot
+        # on the device besides the carry it loads.
+        host, slots = steps, 1
+    elif min(host + 1, _MAX_POLICY_SLOTS) < min(slots, _MAX_POLICY_SLOTS):
+        # The forward keeps its carries on the host only: fewer host slots than device
+        # ones would keep fewer carries than the device alone, and evaluate more (up to
+        # 1.4x, `online_evaluations`). The one-level loop runs instead.
+        host = 0
+    if host:
+        # The forward keeps its carries in host slots by the online policy (h_0, the
+        # caller's, is its first slot); the backward reverses each host interval on the
+        # device by the recursion, from an empty stack, in ``slots`` slots. Finite here:
+        # math.inf without max_steps was refused above, and with it became max_steps.
+        host = int(host)
+        what = f"host_memory={host} slots (with h_0, {host + 1})"
+        events = online_events(_policy_slots(host + 1, steps, what), steps)
+    else:
+        slots = _policy_slots(slots, steps, f"a budget of {slots} slots")
+        events = online_events(slots, None if steps is None else max(steps, 1))
+    return slots, host, events
 
 
 def _twins(as_step, body_fun, jvp_body_fun, writes, carry0, x0, paths) -> tuple[Body, Body]:
