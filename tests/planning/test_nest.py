@@ -85,3 +85,20 @@ def test_static_plan_refuses_bad_sizes():
         else:
             raise AssertionError(args)
     assert np.isfinite(static_plan(10, (0, 3), carry_bytes=1, residual_bytes=1).evaluations)
+
+
+def test_loops_of_one_trip_cost_no_iterations_or_starts():
+    # XLA inlines a loop of one trip: segments of one step are straight-line code, so
+    # checkpointing every step (lax.scan(jax.checkpoint(step))) is two loops of T trips.
+    per_step = StaticPlan(((10_000, 1),), carry_bytes=16, residual_bytes=48)
+    assert (per_step.loop_iterations, per_step.loop_starts) == (10_000, 2)
+    assert StaticPlan(((1,),), 16, 48).loop_iterations == 0
+    assert StaticPlan(((1,),), 16, 48).loop_starts == 0
+    # Segments of two steps: a loop each way per segment, two trips each.
+    pairs = StaticPlan(((5_000, 2),), carry_bytes=16, residual_bytes=48)
+    assert pairs.loop_iterations == 5_000 * 2 + 5_000 + 5_000 * 4
+    assert pairs.loop_starts == 1 + 5_000 + 1 + 5_000 * 2
+    # Three levels whose innermost segments are one step: no refill or VJP loop starts
+    # for them, the refills of the middle level's one-step segments included.
+    three = StaticPlan(((10, 10, 1),), carry_bytes=16, residual_bytes=48)
+    assert three.loop_starts == 1 + 10 + 1 + 100 * 1 + 0

@@ -156,31 +156,44 @@ def _piece_peak(levels: tuple[int, ...], c: int, r: int) -> int:
     return levels[0] * c + _piece_peak(levels[1:], c, r)
 
 
+def _trips(n: int) -> int:
+    """Iterations a loop of ``n`` trips costs beyond its steps: none for one trip, which
+    XLA inlines (a segment of one step is straight-line code)."""
+    return n if n > 1 else 0
+
+
 def _piece_iterations(levels: tuple[int, ...]) -> int:
     steps = math.prod(levels)
     if len(levels) == 1:
-        return 2 * steps
-    return steps + levels[0] + levels[0] * _segment_iterations(levels[1:])
+        return 2 * _trips(steps)
+    unit = math.prod(levels[1:])
+    return levels[0] * _trips(unit) + levels[0] + levels[0] * _segment_iterations(levels[1:])
 
 
 def _segment_iterations(levels: tuple[int, ...]) -> int:
     if len(levels) == 1:
-        return 2 * levels[0]  # the VJP's forward and backward loops
+        return 2 * _trips(levels[0])  # the VJP's forward and backward loops
     sub = math.prod(levels[1:])
-    return (levels[0] - 1) * (sub + 1) + levels[0] * (1 + _segment_iterations(levels[1:]))
+    return (levels[0] - 1) * (_trips(sub) + 1) + levels[0] * (1 + _segment_iterations(levels[1:]))
 
 
 def _piece_starts(levels: tuple[int, ...]) -> int:
+    """Loops a piece starts, each of more than one trip (`_trips`)."""
     if len(levels) == 1:
-        return 2  # the VJP's forward and backward loops
-    *ks, _ = levels
+        return 2 if levels[0] > 1 else 0  # the VJP's forward and backward loops
+    *ks, inner = levels
     innermost = math.prod(ks)
+
+    def runs(d: int) -> int:  # whether a segment of level d runs as a loop
+        return 1 if math.prod(levels[d + 1 :]) > 1 else 0
+
     # Entering a segment of level d - 1 from its end runs its K_d - 1 sub-segments again.
-    refills = sum(math.prod(ks[:d]) * (ks[d] - 1) for d in range(1, len(ks)))
+    refills = sum(math.prod(ks[:d]) * (ks[d] - 1) * runs(d) for d in range(1, len(ks)))
     # Forward: the loop over outer segments and each one's; backward: the loop over the
     # innermost segments, and in each the VJP's two loops and one refill loop per level
     # below the outermost.
-    return 1 + ks[0] + 1 + innermost * (2 + len(ks) - 1) + refills
+    vjp = 2 if inner > 1 else 0
+    return 1 + ks[0] * runs(0) + 1 + innermost * (vjp + len(ks) - 1) + refills
 
 
 def _nest_pieces(steps: int, inner: tuple[int, ...]) -> list[tuple[int, ...]]:
