@@ -112,3 +112,38 @@ def test_one_reading_of_the_arguments_for_every_entry_point():
                 call(bad)
             assert str(e.value).startswith(name), (name, str(e.value))
     np.testing.assert_allclose(memento.chain([jnp.tanh], h0, memory="1MiB"), jnp.tanh(h0))
+
+
+def test_at_checkpoint_per_steps_bytes_a_small_cell_leaves_out_the_plan_of_every_carry(
+    monkeypatch,
+):
+    # The static model's count of a program's working set is an upper bound: for a
+    # 4-float cell at exactly lax.scan(jax.checkpoint(step))'s bytes, the plan that
+    # stores every carry (that idiom itself, which compiles to the same bytes) counts
+    # above the budget, so auto runs another plan (docs/limitations.md).
+    from memento.loops import _choice
+    from memento.planning.internals import StaticPlan
+
+    num_steps = 1000
+    w, h0, xs = _inputs(num_steps)
+
+    def per_step(w, h0, xs):
+        h, ys = jax.lax.scan(jax.checkpoint(lambda h, x: (jnp.tanh(w @ h + x),) * 2), h0, xs)
+        return jnp.sum(ys) + jnp.sum(h)
+
+    idiom = _temp(jax.grad(per_step), w, h0, xs)
+    budget = f"{idiom}B"
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
+    assert "[[1000, 1]]" not in memento.explain(cell, h0, xs, memory=budget).why
+    every_carry = ((num_steps, 1),)
+    monkeypatch.setattr(
+        _choice, "plan_static", lambda n, b, **kw: StaticPlan(every_carry, **{
+            k: v for k, v in kw.items() if k.endswith("_bytes")
+        })
+    )  # fmt: skip
+    counted = memento.explain(cell, h0, xs, memory="1GiB", executor="static")
+    assert counted.why.startswith("Nested lax.scans of static lengths [[1000, 1]]")
+    assert counted.program_bytes > idiom, (counted.program_bytes, idiom)
+    loss = functools.partial(_loss, memory="1GiB", executor="static")
+    compiled = _temp(jax.grad(loss), w, h0, xs)
+    assert compiled <= idiom, (compiled, idiom, counted.program_bytes)
