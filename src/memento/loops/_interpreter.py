@@ -34,6 +34,7 @@ prefetched during the backward step before it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -628,7 +629,8 @@ class _Backward:
         self.primal_rows, self.segment_end, self.backward_rows = runtime_arrays(
             (prog.primal_rows, prog.segment_end, prog.backward_rows)
         )
-        self.rows_ops = set(prog.primal_rows[:, 0].tolist())
+        branches = set(prog.primal_rows[:, 0].tolist())
+        self.has = {op for op in _PRIMAL_OPS if _BRANCH[op] in branches}  # the row kinds present
 
     def run(self, slots, ct_c, ct_k, ct_xs):
         """``(ct_c, ct_k, ct_xs)`` after every step's backward."""
@@ -745,53 +747,40 @@ class _Backward:
 
     def _primal_row(self, state):
         pc, c, slots, cur = state
-        rows, ops, layout, host = self.primal_rows, self.rows_ops, self.layout, self.host
+        rows, has, layout, host = self.primal_rows, self.has, self.layout, self.host
         # Each entry read on its own, as the sweep scans its columns one by one.
         branch, arg, pos = rows[pc, 0], rows[pc, 1], rows[pc, 3]
         at = (arg, rows[pc, 2])  # (nh, ni) of a save or load; arg: a count
+
+        def is_(*ops):  # whether this row is one of ``ops``
+            return functools.reduce(jnp.logical_or, [branch == _BRANCH[op] for op in ops])
+
         for op, level in ((Op.SAVE_INTERNAL, layout), (Op.HOST_SAVE_INTERNAL, host)):
-            if _BRANCH[op] in ops:
-                c, slots = lax.cond(
-                    branch == _BRANCH[op],
-                    self._internal_saver(level),
-                    lambda c, s, *_: (c, s),
-                    c,
-                    slots,
-                    at,
-                    pos,
-                )
-        if _BRANCH[Op.SAVE_HIDDEN] in ops:
-            slots = layout.save_hidden(slots, at, c, branch == _BRANCH[Op.SAVE_HIDDEN], pos=pos)
-        if _BRANCH[Op.HOST_SAVE_HIDDEN] in ops:
+            if op in has:
+                keep = lambda c, s, *_: (c, s)  # noqa: E731
+                saver = self._internal_saver(level)
+                c, slots = lax.cond(is_(op), saver, keep, c, slots, at, pos)
+        if Op.SAVE_HIDDEN in has:
+            slots = layout.save_hidden(slots, at, c, is_(Op.SAVE_HIDDEN), pos=pos)
+        if Op.HOST_SAVE_HIDDEN in has:
             assert host is not None
-            slots = host.save_hidden(slots, at, c, branch == _BRANCH[Op.HOST_SAVE_HIDDEN], pos=pos)
-        LOAD_H, LOAD_I = _BRANCH[Op.LOAD_HIDDEN], _BRANCH[Op.LOAD_INTERNAL]
+            slots = host.save_hidden(slots, at, c, is_(Op.HOST_SAVE_HIDDEN), pos=pos)
         loaded_h = loaded_i = c
-        if LOAD_H in ops:
-            loaded_h = layout.load_hidden(slots, self.init, at, pos=pos, active=branch == LOAD_H)
-        if LOAD_I in ops:
+        if Op.LOAD_HIDDEN in has:
+            loaded_h = layout.load_hidden(slots, self.init, at, pos=pos, active=is_(Op.LOAD_HIDDEN))
+        if Op.LOAD_INTERNAL in has:
             # LOAD_INTERNAL at pos: the output state of step pos - 1.
-            loaded = layout.load_internal(slots, at, step=pos - 1, active=branch == LOAD_I)
+            loaded = layout.load_internal(slots, at, step=pos - 1, active=is_(Op.LOAD_INTERNAL))
             loaded_i = loaded[self.n_stored :]
-        c = lax.switch(
-            jnp.asarray(_SWITCH_OF)[branch],
-            self._branches(),
-            c,
-            loaded_h,
-            loaded_i,
-            slots.host,
-            *at,
-            pos,
-        )
+        switch = jnp.asarray(_SWITCH_OF)[branch]
+        c = lax.switch(switch, self._branches(), c, loaded_h, loaded_i, slots.host, *at, pos)
         if self.track:
-            loads = (branch == LOAD_H) | (branch == LOAD_I)
-            loads |= branch == _BRANCH[Op.HOST_LOAD_HIDDEN]
-            loads |= branch == _BRANCH[Op.HOST_LOAD_INTERNAL]
+            loads = is_(
+                Op.LOAD_HIDDEN, Op.LOAD_INTERNAL, Op.HOST_LOAD_HIDDEN, Op.HOST_LOAD_INTERNAL
+            )
             _pool.check(loads | (cur == pos), "a row's working state is not at its position")
-            saves_i = branch == _BRANCH[Op.SAVE_INTERNAL]
-            saves_i |= branch == _BRANCH[Op.HOST_SAVE_INTERNAL]
-            advanced = branch == _BRANCH[Op.ADVANCE]
-            cur = jnp.select([advanced, saves_i, loads], [pos + arg, pos + 1, pos], cur)
+            saves_i = is_(Op.SAVE_INTERNAL, Op.HOST_SAVE_INTERNAL)
+            cur = jnp.select([is_(Op.ADVANCE), saves_i, loads], [pos + arg, pos + 1, pos], cur)
         return pc + 1, c, slots, cur
 
     def _internal_saver(self, level):
@@ -830,14 +819,13 @@ class _Backward:
             assert host is not None  # host rows come with host slots
             return host.load_internal(Slots([], hpools), (arg, b), step=pos - 1)[n_stored:]
 
-        ops = self.rows_ops
         return (
             advance,
             keep,
             take_hidden,
             take_internal,
-            take_host_hidden if _BRANCH[Op.HOST_LOAD_HIDDEN] in ops else keep,
-            take_host_internal if _BRANCH[Op.HOST_LOAD_INTERNAL] in ops else keep,
+            take_host_hidden if Op.HOST_LOAD_HIDDEN in self.has else keep,
+            take_host_internal if Op.HOST_LOAD_INTERNAL in self.has else keep,
         )
 
 
