@@ -177,6 +177,66 @@ def test_byte_budgets_hold_for_every_executor(width, num_steps, share, executor)
         np.testing.assert_allclose(f(w, xs), want, rtol=2e-4, atol=1e-5)  # float32 sums
 
 
+def _batched_loss(u, xs, h0=None, memory=None, executor="auto"):
+    h, ys = memento.scan(
+        lambda h, x: (jnp.tanh(h @ u + x), jnp.sum(h)), h0, xs, memory=memory, executor=executor
+    )
+    return jnp.sum(ys) + jnp.sum(h)
+
+
+@pytest.mark.parametrize("share", [0.005, 0.02, 0.3])
+@pytest.mark.parametrize("executor", ["auto", "static", "rows", "recursion"])
+def test_byte_budgets_count_the_weights_cotangents_a_batched_step_multiplies_out(
+    share, executor
+):
+    # A batch of rows times a weight matrix: each step's VJP computes the weight's
+    # cotangent as a matrix product, a buffer of the weight's size before it is summed
+    # into the gradient (64 KiB here, beside 4 KiB carries), which the budget counts; a
+    # budget below a step's working set is refused, naming the least.
+    with jax.enable_x64(False):
+        u = jnp.eye(128) * 0.5
+        h0, xs = jnp.zeros((8, 128)), jnp.ones((1000, 8, 128)) * 0.1
+        full = _temp(jax.grad(functools.partial(_batched_loss, h0=h0)), u, xs)
+        budget = int(full * share)
+        f = jax.grad(
+            functools.partial(_batched_loss, h0=h0, memory=f"{budget}B", executor=executor)
+        )
+        try:
+            temp = _temp(f, u, xs)
+        except ValueError as e:
+            assert re.search(r"smallest.* takes \d+ bytes \(memory='\d+B'\)", str(e)), str(e)
+            return
+        assert temp <= budget * 1.05 + 4096, (temp, budget)
+
+
+def test_the_step_profile_counts_the_weight_cotangents_that_are_matrix_products():
+    # Counted: a weight times a batch of rows (its cotangent contracts the rows), through
+    # a transpose or a cast too, and a convolution's kernel; once per product. Not
+    # counted: a matrix times a vector (an outer product, fused into the sum), a weight
+    # that is not differentiated, and a literal operand.
+    from memento.loops._body import make_body, step_profile
+
+    f32 = functools.partial(jnp.ones, dtype=jnp.float32)
+    u, v, k = f32((16, 16)), f32((32, 32)), f32((4, 2, 3, 3))
+
+    def products(f, h, x, const_mask=None):
+        body = make_body(f, h, x, name="t")
+        if const_mask is not None:
+            body = body.restrict(const_mask, [True] * len(body.carry_avals), [True])
+        return step_profile(body).products
+
+    h, x = f32((8, 16)), f32((8, 32))
+    assert products(lambda h, x: (jnp.tanh(h @ u), x @ v), h, x) == u.nbytes + v.nbytes
+    assert products(lambda h, x: (h, jnp.sum((v.T @ x.T).astype(jnp.bfloat16))), h, x) == v.nbytes
+    assert products(lambda h, x: (jnp.tanh(h @ u + h @ u.T), x), h, x) == 2 * u.nbytes
+    vec = f32(32)
+    assert products(lambda h, x: (jnp.tanh(v @ h), x), vec, vec) == 0
+    assert products(lambda h, x: (jnp.tanh(h @ u), x), h, x, const_mask=[False]) == 0
+    img = f32((1, 2, 8, 8))
+    conv = lambda h, x: (jnp.tanh(lax.conv(h, k, (1, 1), "SAME"))[:, :2], x)  # noqa: E731
+    assert products(conv, img, img) == k.nbytes
+
+
 def test_rows_refuse_a_byte_budget_their_rows_do_not_fit_and_name_the_least():
     # The rows executor keeps O(T) schedule rows on the device: forced, a byte budget
     # below them is a clear error naming the least, not a program past the budget; that

@@ -88,13 +88,15 @@ class ResidualSpec:
     x leaf of the step, ``("captured", j)`` for ``captured[j]``, a concrete array the step
     holds itself (a value a nested ``custom_vjp`` or ``jax.checkpoint`` closed over when
     the body was traced: the same object in every step), else ``("stored", j)``: the
-    j-th stored residual.
+    j-th stored residual. ``reads[i]``: whether the stored residuals depend on the i-th
+    carry leaf (None: not known, as if all do).
     """
 
     treedef: Any
     source: tuple[tuple[str, int], ...]
     stored: tuple[jax.ShapeDtypeStruct, ...]
     captured: tuple[Any, ...] = ()
+    reads: tuple[bool, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -286,10 +288,11 @@ class Body:
             found["source"], found["captured"] = _sources(leaves, consts, x)
             return [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
 
-        _, stored = jax.make_jaxpr(probe, return_shape=True)(
+        closed, stored = jax.make_jaxpr(probe, return_shape=True)(
             _avals(self.consts), self.carry_avals, self.x_avals
         )
-        return ResidualSpec(found["treedef"], found["source"], tuple(stored), found["captured"])
+        spec = ResidualSpec(found["treedef"], found["source"], tuple(stored), found["captured"])
+        return dataclasses.replace(spec, reads=_reads(closed, len(self.consts), self.carry_avals))
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``.
@@ -322,22 +325,43 @@ class Body:
 class StepProfile:
     """What one primal step does, counted on its jaxpr (loops inside it by their trip
     count): ``flops`` (a matrix product ``2 * out * contracted``, any other op one per
-    output element), ``bytes`` (every op's inputs and outputs), ``ops``, and
-    ``largest``, the bytes of its largest intermediate array."""
+    output element), ``bytes`` (every op's inputs and outputs), ``ops``, ``largest``, the
+    bytes of its largest intermediate array, and ``products``, the bytes of the
+    differentiated closed-over arrays' cotangents that the step's VJP computes as matrix
+    products (see `step_profile`)."""
 
     flops: float
     bytes: float
     ops: int
     largest: int
+    products: int = 0
+
+
+# Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
+# product of their output takes the array's cotangent as one of its own.
+_RELAYOUTS = frozenset(
+    {"transpose", "reshape", "convert_element_type", "squeeze", "expand_dims", "copy", "copy_p"}
+)
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def step_profile(body: Body) -> StepProfile:
-    """The `StepProfile` of a step of ``body``."""
-    return _profile(body.jaxpr)
+    """The `StepProfile` of a step of ``body``.
+
+    ``products`` counts, for each matrix product (or convolution) of a differentiated
+    closed-over array and an operand of its own rows (a batch, say: dimensions neither
+    contracted nor batched), the array's bytes: its cotangent is then a product that
+    contracts those rows, a buffer of its own before the step adds it to the gradient. A
+    product of a matrix and a vector gives its cotangent as an outer product, which XLA
+    fuses into that sum, and is not counted.
+    """
+    tracked = {v for v, m in zip(body.jaxpr.constvars, body.const_mask) if m}
+    return _profile(body.jaxpr, tracked)
 
 
-def _profile(jaxpr) -> StepProfile:
-    flops, nbytes_, ops, largest = 0.0, 0.0, 0, 0
+def _profile(jaxpr, tracked: set) -> StepProfile:
+    flops, nbytes_, ops, largest, products = 0.0, 0.0, 0, 0, 0
+    tracked = set(tracked)
     for eqn in jaxpr.eqns:
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
         ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
@@ -345,20 +369,54 @@ def _profile(jaxpr) -> StepProfile:
         if inner:
             times = eqn.params.get("length", 1)
             for sub in inner:
-                q = _profile(getattr(sub, "jaxpr", sub))
+                sub = getattr(sub, "jaxpr", sub)
+                # A call passes its operands on in order; a loop's carry is not followed.
+                aligned = "length" not in eqn.params and len(sub.invars) == len(eqn.invars)
+                into = {s for s, v in zip(sub.invars, eqn.invars) if aligned and _in(v, tracked)}
+                q = _profile(sub, into)
                 flops, nbytes_ = flops + times * q.flops, nbytes_ + times * q.bytes
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
+                products += times * q.products
             continue
+        name = eqn.primitive.name
         size = sum(math.prod(a.shape) for a in outs)
-        if eqn.primitive.name == "dot_general":
+        if name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             size *= 2 * math.prod(ins[0].shape[d] for d in lhs_contract)
+        if name in _PRODUCTS:
+            products += _product_cotangents(eqn, tracked)
+        elif name in _RELAYOUTS and any(_in(v, tracked) for v in eqn.invars):
+            tracked.update(eqn.outvars)
         out_bytes = [math.prod(a.shape) * a.dtype.itemsize for a in outs]
         flops += size
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
         largest = max([largest, *out_bytes])
-    return StepProfile(flops, nbytes_, ops, largest)
+    return StepProfile(flops, nbytes_, ops, largest, products)
+
+
+def _product_cotangents(eqn, tracked: set) -> int:
+    """Bytes of the tracked operands of a matrix product (or convolution) whose cotangent
+    contracts rows of the other operand (see `step_profile`)."""
+    lhs, rhs = eqn.invars[:2]
+    if eqn.primitive.name == "conv_general_dilated":
+        # The kernel's cotangent is a convolution over the batch and spatial dimensions.
+        rows = [True, True]
+    else:
+        (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+        rows = [
+            len(rhs.aval.shape) > len(contract_r) + len(batch_r),  # rhs free dims: lhs's ct
+            len(lhs.aval.shape) > len(contract_l) + len(batch_l),
+        ]
+    return sum(
+        math.prod(v.aval.shape) * v.aval.dtype.itemsize
+        for v, r in zip((lhs, rhs), rows)
+        if r and _in(v, tracked)
+    )
+
+
+def _in(v, tracked: set) -> bool:
+    return not isinstance(v, jex_core.Literal) and v in tracked
 
 
 def inputs_to_consts(jaxpr, mask: Sequence[bool]):
@@ -378,6 +436,16 @@ try:  # JAX's own symbolic-zero analysis, as lax.scan's JVP uses; no public equi
     )
 except ImportError:  # pragma: no cover - older or newer JAX
     _jvp_jaxpr = _constvars_in = _dce_jaxpr = None
+
+
+def _reads(closed, num_consts: int, carry_avals: Sequence) -> tuple[bool, ...] | None:
+    """Which carry leaves the outputs of ``closed`` (a step's stored residuals, of
+    ``(consts, carry, x)``) depend on; None where JAX's dead-code analysis is missing."""
+    if _dce_jaxpr is None:  # pragma: no cover - older or newer JAX
+        return None
+    k = len(closed.jaxpr.constvars)
+    _, used = _dce_jaxpr(_constvars_in(closed.jaxpr), [True] * len(closed.jaxpr.outvars))
+    return tuple(used[k + num_consts : k + num_consts + len(carry_avals)])
 
 
 def _live(jaxpr):

@@ -30,7 +30,7 @@ from ..planning.internals import (
     recursion_min_steps,
     step_seconds,
 )
-from ._body import Body, ResidualSpec, nbytes, split, step_profile
+from ._body import Body, ResidualSpec, StepProfile, nbytes, split, step_profile
 from ._budget import Bytes, Percent, choose_policy, choose_schedule, internal_slots, to_slots
 from ._interpreter import Program, compile_schedule, pool_bytes
 from ._pool import checks_enabled, varying
@@ -75,7 +75,10 @@ class _Sizes:
     of the closed-over arrays, the loops' control state), and what each level beyond the
     second and each nest beyond the first adds. Of the fixed working set,
     ``accumulators`` are the closed-over arrays' cotangents, which the static executor
-    accumulates in the gradient it returns (no temporary buffer)."""
+    accumulates in the gradient it returns (no temporary buffer), and ``loop`` the
+    control state that a static plan holds only with inner loops
+    (`StaticPlan.loop_bytes`); ``start`` what a one-step segment's stored start keeps
+    (`StaticPlan.start_bytes`)."""
 
     carry: int
     residual: int
@@ -85,6 +88,8 @@ class _Sizes:
     whole: int
     piece: int
     accumulators: int
+    loop: int
+    start: int
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
@@ -113,12 +118,12 @@ class _Fit:
     def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
         return loop_seconds(evaluations, iterations, executor, step=self.step, backend=self.backend)
 
-    def slots_within(self, slots: int, per_slot: int) -> int:
-        """At most ``slots``, at least one, of ``per_slot`` bytes each beside the fixed
-        working set within a byte budget (``slots`` under a slot budget)."""
+    def slots_within(self, slots: int, per_slot: int, fixed: int) -> int:
+        """At most ``slots``, at least one, of ``per_slot`` bytes each beside ``fixed``
+        bytes within a byte budget (``slots`` under a slot budget)."""
         if not isinstance(self.budget, Bytes):
             return slots
-        return max(1, min(slots, (self.budget.num_bytes - self.sizes.fixed) // max(per_slot, 1)))
+        return max(1, min(slots, (self.budget.num_bytes - fixed) // max(per_slot, 1)))
 
 
 def choose(
@@ -183,7 +188,7 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
     budget = request.memory if isinstance(request.memory, Bytes) else slots
     profile = step_profile(body)
     step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
-    sizes = _static_sizes(body, spec, profile.largest)
+    sizes = _static_sizes(body, spec, profile)
     return _Fit(body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step)
 
 
@@ -216,7 +221,7 @@ def _static_fit(fit: _Fit) -> Choice | None:
     # Under a slot budget the nest was fitted by its stored states; its bytes count all.
     full = StaticPlan(
         prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level, sizes.whole,
-        sizes.piece,
+        sizes.piece, sizes.loop, sizes.start,
     )  # fmt: skip
     whole = prog.pieces == ((fit.num_steps,),)
     why = (
@@ -227,7 +232,7 @@ def _static_fit(fit: _Fit) -> Choice | None:
     )
     return Choice(
         "static", "store all" if whole else "nest", fit.slots, prog.evaluations,
-        prog.loop_iterations, full.peak_bytes + sizes.fixed - sizes.accumulators,
+        prog.loop_iterations, full.peak_bytes + _static_fixed(sizes),
         seconds(prog), prog, lambda: nest_schedule(prog), why[0].upper() + why[1:] + ".",
     )  # fmt: skip
 
@@ -242,8 +247,9 @@ def _static_unavailable(body: Body) -> tuple:
     return tuple(sorted({axis for a in avals for axis in varying(a)}))
 
 
-def _static_sizes(body: Body, spec, largest: int) -> _Sizes:
-    """``largest``: the step's largest intermediate, in bytes (`step_profile`)."""
+def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
+    """``profile``: the step's `step_profile` (its largest intermediate, and the weights'
+    cotangents its VJP computes as matrix products)."""
     carry = nbytes(body.carry_avals)
     residual = nbytes(spec.stored)
     xs = nbytes(body.x_avals)
@@ -252,33 +258,47 @@ def _static_sizes(body: Body, spec, largest: int) -> _Sizes:
     stream = nbytes(split(body.y_avals, body.y_mask)[0])
     consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
     # One step's VJP in flight (its internal state and carry, an x, its largest
-    # intermediate) and the closed-over arrays' cotangents.
-    working = residual + carry + xs + max(_CONTROL_BYTES, largest)
+    # intermediate, the weights' cotangents it computes as matrix products before adding
+    # them up) and the closed-over arrays' cotangents.
+    loop = max(0, _CONTROL_BYTES - profile.largest)
+    working = residual + carry + xs + profile.largest + loop + profile.products
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
     piece = 4 * carry + _CONTROL_BYTES // 2
-    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts)
+    reads = spec.reads or [True] * len(body.carry_avals)
+    start = nbytes([a for a, m in zip(body.carry_avals, reads) if m])
+    return _Sizes(
+        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start
+    )
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
     """``(budget_bytes, sizes)`` arguments of `plan_static` for a budget: a byte budget
     is the program's memory, less the backward pass's fixed working set but for the
-    cotangent accumulators; ``slots`` count stored states only, carry-sized, as in the
-    paper (the initial carry is one)."""
+    cotangent accumulators and the inner loops' state (which the plan counts if it has
+    any); ``slots`` count stored states only, carry-sized, as in the paper (the initial
+    carry is one)."""
     if isinstance(budget, Bytes):
-        return budget.num_bytes - sizes.fixed + sizes.accumulators, {
+        return budget.num_bytes - _static_fixed(sizes), {
             "carry_bytes": sizes.carry,
             "residual_bytes": sizes.residual,
             "stream_bytes": sizes.stream,
             "level_bytes": sizes.level,
             "whole_bytes": sizes.whole,
             "piece_bytes": sizes.piece,
+            "loop_bytes": sizes.loop,
+            "start_bytes": sizes.start,
         }
     return (slots - 1) * sizes.carry, {
         "carry_bytes": sizes.carry,
         "residual_bytes": sizes.residual,
     }
+
+
+def _static_fixed(sizes: _Sizes) -> int:
+    """What a static plan's program takes besides `StaticPlan.peak_bytes`."""
+    return sizes.fixed - sizes.accumulators - sizes.loop
 
 
 def _no_static_plan(fit: _Fit) -> str:
@@ -318,7 +338,7 @@ def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
 def _loop_fit(fit: _Fit) -> Choice:
     """The loop the policy picks for the budget: the recursion or the rows."""
     request = fit.request
-    slots = fit.slots_within(fit.slots, fit.sizes.carry)  # the loops' working set too
+    slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
     if request.executor == "recursion":
         return _recursion_fit(fit, slots, "asked for")
     charges = auto_charges(fit.num_steps, request.executor, fit.backend)
@@ -396,18 +416,36 @@ def _rows_choice(
 
 def _recursion_fit(fit: _Fit, slots: int, reason: str) -> Choice:
     """HSM's binomial recursion in at most ``slots`` (fewer where a byte budget cannot
-    hold their positions beside them). It keeps no rows: it fits any budget of a slot."""
+    hold their positions beside them). It keeps no rows: the smallest plan of all, one
+    slot beside a step's working set. A byte budget below that is an error naming it.
+    As the static nests, it sums the closed-over arrays' cotangents in the gradient it
+    returns, not in a buffer of its own."""
+    per_slot, fixed = _recursion_slot_bytes(fit.sizes), fit.sizes.fixed - fit.sizes.accumulators
     slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
-    slots = fit.slots_within(slots, _recursion_slot_bytes(fit.sizes))
+    slots = fit.slots_within(slots, per_slot, fixed)
+    program_bytes = slots * per_slot + fixed
+    if isinstance(fit.budget, Bytes) and program_bytes > _tolerated(fit.budget.num_bytes):
+        raise ValueError(
+            f"{fit.request.name}: no plan runs {fit.num_steps} steps within "
+            f"{fit.budget.num_bytes} bytes: a step's gradient works in {fixed} bytes, and "
+            f"the smallest plan (the recursion, one carry stored) takes {program_bytes} "
+            f"bytes (memory='{program_bytes}B'). Raise memory."
+        )
     evaluations = hsm_cost(fit.num_steps, slots)
     num_steps, alpha, name = fit.num_steps, fit.alpha, fit.request.name
     return Choice(
-        "recursion", "hsm", slots, evaluations, evaluations,
-        slots * _recursion_slot_bytes(fit.sizes) + fit.sizes.fixed,
+        "recursion", "hsm", slots, evaluations, evaluations, program_bytes,
         fit.seconds(evaluations, evaluations, "recursion"),
         None, lambda: choose_schedule(num_steps, slots, alpha, "hsm", name=name),
         f"HSM's binomial recursion on the device, O(slots) state ({reason}).",
     )  # fmt: skip
+
+
+def _tolerated(budget_bytes: int) -> float:
+    """The most bytes a plan may be counted at under a byte budget it is the last resort
+    for: the budget give or take 5% and 4 KiB, as XLA's buffer assignment differs from
+    the model's count (the Limitations page)."""
+    return budget_bytes * 1.05 + 4096
 
 
 def _recursion_slot_bytes(sizes: _Sizes) -> int:

@@ -52,6 +52,15 @@ class StaticPlan:
             (its slice of ``xs``, which its pullback holds).
         piece_bytes: what each nest beyond the first takes besides its stored starts
             (its loops' state, and the buffers XLA cannot share with another nest's).
+        start_bytes: what the stored start of a one-step segment keeps: the carry's
+            leaves that its step's internal state depends on (XLA drops the others, as
+            for ``lax.scan(jax.checkpoint(step))``); None for the whole carry.
+        loop_bytes: what the backward pass's inner loops hold (their counters,
+            predicates and loop state), in a plan that has any: a nest of more than two
+            levels, or of innermost segments of more than one step. A plan of steps
+            stored whole and nests of one-step segments has none (XLA inlines a loop of
+            one trip), and a one-step segment's internal state is the step's in flight,
+            which the caller's working set counts.
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -61,6 +70,8 @@ class StaticPlan:
     level_bytes: int = 0
     whole_bytes: int = 0
     piece_bytes: int = 0
+    loop_bytes: int = 0
+    start_bytes: int | None = None
 
     @property
     def num_steps(self) -> int:
@@ -75,12 +86,13 @@ class StaticPlan:
     def peak_bytes(self) -> int:
         """Most bytes of stored carries and internal states live at once."""
         c, r = self.carry_bytes, self.residual_bytes
+        c1 = c if self.start_bytes is None else self.start_bytes
         # The loop state of every nest beyond the first is held throughout. The forward
         # pass ends holding what every piece stores; the backward pass takes the pieces
         # last first, each freeing what it stored, so a nest's backward runs with what
         # the pieces before it store (a piece stored whole after it is already freed).
         nests = sum(len(p) > 1 for p in self.pieces)
-        stored = [_piece_stored(p, c, r + self.whole_bytes) for p in self.pieces]
+        stored = [_piece_stored(p, c, r + self.whole_bytes, c1) for p in self.pieces]
         held = max(0, nests - 1) * self.piece_bytes
         peak = held + sum(stored)
         for p, kept in zip(self.pieces, stored):
@@ -89,11 +101,18 @@ class StaticPlan:
                 # Each level beyond the second refills a buffer of its segment's starts,
                 # which XLA was seen to hold twice.
                 extra = p[-1] * self.stream_bytes + sum(
-                    (k - 1) * c + self.level_bytes for k in p[1:-1]
+                    (k - 1) * _start(p[d + 1 :], c, c1) + self.level_bytes
+                    for d, k in enumerate(p[1:-1], 1)
                 )
-                peak = max(peak, held + _piece_peak(p, c, r) + extra)
+                peak = max(peak, held + _piece_peak(p, c, r, c1) + extra)
             held += kept
-        return peak
+        return peak + (self.loop_bytes if self.inner_loops else 0)
+
+    @property
+    def inner_loops(self) -> bool:
+        """Whether the backward pass runs loops inside a nest's loop (see
+        ``loop_bytes``)."""
+        return any(len(p) > 2 or (len(p) == 2 and p[1] > 1) for p in self.pieces)
 
     @property
     def loop_iterations(self) -> int:
@@ -145,15 +164,21 @@ def _segment_evaluations(levels: tuple[int, ...]) -> int:
     return (levels[0] - 1) * math.prod(levels[1:]) + levels[0] * _segment_evaluations(levels[1:])
 
 
-def _piece_stored(levels: tuple[int, ...], c: int, r: int) -> int:
+def _start(below: tuple[int, ...], c: int, c1: int) -> int:
+    """Bytes of a stored start of a segment of levels ``below``: ``c1`` for one step."""
+    return c1 if below == (1,) else c
+
+
+def _piece_stored(levels: tuple[int, ...], c: int, r: int, c1: int) -> int:
     """Bytes a piece keeps from its forward pass until its backward."""
-    return levels[0] * r if len(levels) == 1 else levels[0] * c
+    return levels[0] * r if len(levels) == 1 else levels[0] * _start(levels[1:], c, c1)
 
 
-def _piece_peak(levels: tuple[int, ...], c: int, r: int) -> int:
+def _piece_peak(levels: tuple[int, ...], c: int, r: int, c1: int) -> int:
     if len(levels) == 1:
-        return levels[0] * r
-    return levels[0] * c + _piece_peak(levels[1:], c, r)
+        # A segment of one step: its internal state is the step's in flight.
+        return levels[0] * r if levels[0] > 1 else 0
+    return levels[0] * _start(levels[1:], c, c1) + _piece_peak(levels[1:], c, r, c1)
 
 
 def _trips(n: int) -> int:
@@ -293,6 +318,8 @@ def plan_static(
     level_bytes: int = 0,
     whole_bytes: int = 0,
     piece_bytes: int = 0,
+    loop_bytes: int = 0,
+    start_bytes: int | None = None,
     max_depth: int = 4,
     fewest_bytes: bool = False,
     seconds: Callable[[StaticPlan], float] | None = None,
@@ -313,7 +340,8 @@ def plan_static(
     is, its last segment run again by the backward pass (fewer loops).
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
-    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes))
+    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes))
+    sizes += (c if start_bytes is None else int(start_bytes),)
     best: StaticPlan | None = None
 
     fits: dict[StaticPlan, float] = {}  # with ``seconds``: each plan that fits, its time
