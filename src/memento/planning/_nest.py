@@ -366,12 +366,20 @@ def plan_static(
         consider(StaticPlan(tuple(_keep_last_step(pieces_of(num_steps - 1))), *sizes))
 
     consider(StaticPlan(((num_steps,),), *sizes))
+    whole = num_steps * (r + sizes[4])
     for depth in range(2, max_depth + 1):
         for inner in _candidates(num_steps, depth, c, r + s):
-            consider_nest(functools.partial(_nest_pieces, inner=inner))
-            if depth == 2:
-                consider_nest(functools.partial(_even_pieces, length=inner[0]))
-            if not fewest_bytes:
+            # Every plan below stores the starts of about T / prod(inner) segments (two
+            # fewer at most), or, with a suffix, as many or all the steps whole; and
+            # holds an innermost segment's internal states.
+            if inner[-1] > 1 and inner[-1] * r > budget_bytes:
+                continue
+            starts = max(0, num_steps // math.prod(inner) - 2) * min(c, sizes[-1])
+            if starts <= budget_bytes:
+                consider_nest(functools.partial(_nest_pieces, inner=inner))
+                if depth == 2:
+                    consider_nest(functools.partial(_even_pieces, length=inner[0]))
+            if not fewest_bytes and min(starts, whole) <= budget_bytes:
                 consider(_with_suffix(num_steps, inner, budget_bytes, sizes))
     if not fewest_bytes:
         length = _longest_even(num_steps, budget_bytes, sizes)
