@@ -9,7 +9,10 @@ process, on CPU:
   cell's weights, which the step closes over.
 - Bodies: ``tanh(W @ h + x)`` with 4 floats, ``tanh(w * h + x)`` with 256, ``tanh(W @ h
   + x)`` with 128, LSTMs of hidden 32 and batch 16, and of hidden 256 and batch 32 (each
-  step's output is the mean of the new state squared).
+  step's output is the mean of the new state squared). Beside them, bodies the headline
+  does not use: a GRU of hidden 64 and batch 8 (its weights' cotangents are matrix
+  products), a carry of two 64-float leaves one of which no derivative reads, a scalar
+  carry, and ``tanh(w * h + x)`` with 4096 floats.
 - Peers: ``lax.scan`` (stores everything), ``lax.scan(jax.checkpoint(step))``
   (checkpoint per step), nested sqrt(T) (a ``lax.scan`` over segments, each a
   ``jax.checkpoint``-ed ``lax.scan``; a divisor of T as the segment length where one
@@ -37,7 +40,8 @@ temp <= budget * 1.05 + 4 KiB and time <= 1.1x that idiom's; at a quarter of nes
 sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
 
 Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
-      [--bodies tanh4,elem256,matvec128,lstm32,lstm256] [--executors auto,static,rows,recursion]
+      [--bodies tanh4,elem256,matvec128,lstm32,lstm256,gru64,velocity64,scalar,elem4096]
+      [--executors auto,static,rows,recursion]
       [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
       (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
       PYTHONPATH=src python benchmarks/pareto.py --markdown benchmarks/results/pareto.json
@@ -149,6 +153,81 @@ def _lstm_inputs(hidden: int, batch: int, features: int = 8):
     return make
 
 
+def _gru(p, h, x):
+    import jax
+    import jax.numpy as jnp
+
+    z = jax.nn.sigmoid(x @ p["Wz"] + h @ p["Uz"])
+    r = jax.nn.sigmoid(x @ p["Wr"] + h @ p["Ur"])
+    n = jnp.tanh(x @ p["Wn"] + (r * h) @ p["Un"])
+    h = (1 - z) * n + z * h
+    return h, jnp.mean(h)
+
+
+def _gru_inputs(hidden: int, batch: int, features: int = 16):
+    import jax
+
+    def make(num_steps):
+        k = jax.random.split(jax.random.PRNGKey(1), 7)
+        scale = 1.0 / math.sqrt(hidden)
+        names = ["Wz", "Uz", "Wr", "Ur", "Wn", "Un"]
+        params = {
+            n: jax.random.normal(k[i], (features if n[0] == "W" else hidden, hidden)) * scale
+            for i, n in enumerate(names)
+        }
+        xs = jax.random.normal(k[6], (num_steps, batch, features))
+        return params, 0.1 * jax.numpy.ones((batch, hidden)), xs
+
+    return make
+
+
+def _velocity(p, c, x):
+    """A state and its velocity: the velocity enters linearly, so no derivative reads it."""
+    import jax.numpy as jnp
+
+    v = 0.9 * c["v"] + 0.1 * jnp.tanh(p @ c["h"] + x)
+    h = c["h"] + 0.1 * v
+    return {"h": h, "v": v}, jnp.sum(h) * 1e-3
+
+
+def _velocity_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(2), 2)
+    init = {"h": jnp.zeros(64), "v": jnp.full((64,), 0.1)}
+    return (
+        jax.random.normal(k[0], (64, 64)) / 8,
+        init,
+        0.1 * jax.random.normal(k[1], (num_steps, 64)),
+    )
+
+
+def _scalar(p, h, x):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(p[0] * h + p[1] * x)
+    return h, h
+
+
+def _scalar_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    xs = jax.random.normal(jax.random.PRNGKey(3), (num_steps,))
+    return jnp.array([0.9, 0.5]), jnp.float32(0.3), xs
+
+
+def _wave_inputs(width: int):
+    import jax.numpy as jnp
+
+    def make(num_steps):
+        phase = jnp.arange(num_steps)[:, None] * 0.01 + jnp.arange(width)[None] * 0.001
+        return jnp.full((width,), 0.9), jnp.zeros(width), 0.1 * jnp.sin(phase)
+
+    return make
+
+
 BODIES = {
     b.name: b
     for b in (
@@ -159,6 +238,10 @@ BODIES = {
         Body("matvec128", "`tanh(W @ h + x)`, 128 floats", _matvec, _tanh_inputs(128, True)),
         Body("lstm32", "LSTM, hidden 32, batch 16", _common.lstm_step, _lstm_inputs(32, 16)),
         Body("lstm256", "LSTM, hidden 256, batch 32", _common.lstm_step, _lstm_inputs(256, 32)),
+        Body("gru64", "GRU, hidden 64, batch 8", _gru, _gru_inputs(64, 8)),
+        Body("velocity64", "64 floats and their velocity", _velocity, _velocity_inputs),
+        Body("scalar", "`tanh(a * h + b * x)`, a scalar", _scalar, _scalar_inputs),
+        Body("elem4096", "`tanh(w * h + x)`, 4096 floats", _elementwise, _wave_inputs(4096)),
     )
 }
 

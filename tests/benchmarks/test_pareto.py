@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import memento
 import pareto
 
 
@@ -95,3 +96,17 @@ def test_check_gradient_refuses_a_wrong_gradient():
     assert pareto.check_gradient("same", good, good) == 0.0
     with pytest.raises(AssertionError, match="wrong"):
         pareto.check_gradient("wrong", {"W": good["W"] * 1.01}, good)
+
+
+@pytest.mark.parametrize("name", sorted(pareto.BODIES))
+def test_every_body_runs_and_mementos_gradient_is_lax_scans(name):
+    # Each body at 8 steps: its inputs, its loss under lax.scan and under memento with a
+    # budget of a few slots, the same gradient (float32).
+    body = pareto.BODIES[name]
+    args = body.make(8)
+    want = jax.grad(pareto.loss_of(body.cell, pareto.peer_runs(8)["lax.scan"]))(*args)
+    got = jax.grad(pareto.loss_of(body.cell, lambda f, c, x: memento.scan(f, c, x, memory=3)))(
+        *args
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -128,11 +128,13 @@ def test_at_checkpoint_per_steps_bytes_auto_runs_that_idiom_within_them():
         return jnp.sum(ys) + jnp.sum(h)
 
     idiom = _temp(jax.grad(per_step), w, h0, xs)
-    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2  # noqa: E731
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
     plan = memento.explain(cell, h0, xs, memory=f"{idiom}B")
     assert plan.why.startswith("Nested lax.scans of static lengths [[1000, 1]]"), plan.why
     assert plan.program_bytes <= idiom
-    compiled = _temp(jax.grad(functools.partial(_loss, memory=f"{idiom}B", executor="auto")), w, h0, xs)
+    compiled = _temp(
+        jax.grad(functools.partial(_loss, memory=f"{idiom}B", executor="auto")), w, h0, xs
+    )
     assert compiled == idiom, (compiled, idiom)
 
 

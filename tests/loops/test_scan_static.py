@@ -186,9 +186,7 @@ def _batched_loss(u, xs, h0=None, memory=None, executor="auto"):
 
 @pytest.mark.parametrize("share", [0.005, 0.02, 0.3])
 @pytest.mark.parametrize("executor", ["auto", "static", "rows", "recursion"])
-def test_byte_budgets_count_the_weights_cotangents_a_batched_step_multiplies_out(
-    share, executor
-):
+def test_byte_budgets_count_the_weights_cotangents_a_batched_step_multiplies_out(share, executor):
     # A batch of rows times a weight matrix: each step's VJP computes the weight's
     # cotangent as a matrix product, a buffer of the weight's size before it is summed
     # into the gradient (64 KiB here, beside 4 KiB carries), which the budget counts; a
@@ -233,7 +231,7 @@ def test_the_step_profile_counts_the_weight_cotangents_that_are_matrix_products(
     assert products(lambda h, x: (jnp.tanh(v @ h), x), vec, vec) == 0
     assert products(lambda h, x: (jnp.tanh(h @ u), x), h, x, const_mask=[False]) == 0
     img = f32((1, 2, 8, 8))
-    conv = lambda h, x: (jnp.tanh(lax.conv(h, k, (1, 1), "SAME"))[:, :2], x)  # noqa: E731
+    conv = lambda h, x: (jnp.tanh(lax.conv(h, k, (1, 1), "SAME"))[:, :2], x)
     assert products(conv, img, img) == k.nbytes
 
 

@@ -416,7 +416,10 @@ def _product_cotangents(eqn, tracked: set) -> int:
 
 
 def _in(v, tracked: set) -> bool:
-    return not isinstance(v, jex_core.Literal) and v in tracked
+    try:
+        return v in tracked
+    except TypeError:  # a literal, unhashable: never a closed-over array
+        return False
 
 
 def inputs_to_consts(jaxpr, mask: Sequence[bool]):

@@ -268,9 +268,7 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     piece = 4 * carry + _CONTROL_BYTES // 2
     reads = spec.reads or [True] * len(body.carry_avals)
     start = nbytes([a for a, m in zip(body.carry_avals, reads) if m])
-    return _Sizes(
-        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start
-    )
+    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts, loop, start)
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
