@@ -52,15 +52,15 @@ class StaticPlan:
             (its slice of ``xs``, which its pullback holds).
         piece_bytes: what each nest beyond the first takes besides its stored starts
             (its loops' state, and the buffers XLA cannot share with another nest's).
-        start_bytes: what the stored start of a one-step segment keeps: the carry's
-            leaves that its step's internal state depends on (XLA drops the others, as
-            for ``lax.scan(jax.checkpoint(step))``); None for the whole carry.
         loop_bytes: what the backward pass's inner loops hold (their counters,
             predicates and loop state), in a plan that has any: a nest of more than two
             levels, or of innermost segments of more than one step. A plan of steps
             stored whole and nests of one-step segments has none (XLA inlines a loop of
             one trip), and a one-step segment's internal state is the step's in flight,
             which the caller's working set counts.
+        start_bytes: what the stored start of a one-step segment keeps: the carry's
+            leaves that its step's internal state depends on (XLA drops the others, as
+            for ``lax.scan(jax.checkpoint(step))``); None for the whole carry.
     """
 
     pieces: tuple[tuple[int, ...], ...]
