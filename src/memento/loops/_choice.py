@@ -91,6 +91,12 @@ class _Sizes:
     loop: int
     start: int
 
+    @property
+    def summed_in_place(self) -> int:
+        """The fixed working set of an executor that sums the closed-over arrays'
+        cotangents in the gradient it returns (the static nests, the recursion)."""
+        return self.fixed - self.accumulators
+
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
 
@@ -296,7 +302,7 @@ def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
 
 def _static_fixed(sizes: _Sizes) -> int:
     """What a static plan's program takes besides `StaticPlan.peak_bytes`."""
-    return sizes.fixed - sizes.accumulators - sizes.loop
+    return sizes.summed_in_place - sizes.loop
 
 
 def _no_static_plan(fit: _Fit) -> str:
@@ -418,7 +424,7 @@ def _recursion_fit(fit: _Fit, slots: int, reason: str) -> Choice:
     slot beside a step's working set. A byte budget below that is an error naming it.
     As the static nests, it sums the closed-over arrays' cotangents in the gradient it
     returns, not in a buffer of its own."""
-    per_slot, fixed = _recursion_slot_bytes(fit.sizes), fit.sizes.fixed - fit.sizes.accumulators
+    per_slot, fixed = _recursion_slot_bytes(fit.sizes), fit.sizes.summed_in_place
     slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     slots = fit.slots_within(slots, per_slot, fixed)
     program_bytes = slots * per_slot + fixed

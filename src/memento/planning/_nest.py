@@ -340,8 +340,8 @@ def plan_static(
     is, its last segment run again by the backward pass (fewer loops).
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
-    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes))
-    sizes += (c if start_bytes is None else int(start_bytes),)
+    c1 = c if start_bytes is None else int(start_bytes)
+    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes), c1)
     best: StaticPlan | None = None
 
     fits: dict[StaticPlan, float] = {}  # with ``seconds``: each plan that fits, its time
@@ -366,7 +366,7 @@ def plan_static(
         consider(StaticPlan(tuple(_keep_last_step(pieces_of(num_steps - 1))), *sizes))
 
     consider(StaticPlan(((num_steps,),), *sizes))
-    whole = num_steps * (r + sizes[4])
+    whole = num_steps * (r + int(whole_bytes))
     for depth in range(2, max_depth + 1):
         for inner in _candidates(num_steps, depth, c, r + s):
             # Every plan below stores the starts of about T / prod(inner) segments (two
@@ -374,7 +374,7 @@ def plan_static(
             # holds an innermost segment's internal states.
             if inner[-1] > 1 and inner[-1] * r > budget_bytes:
                 continue
-            starts = max(0, num_steps // math.prod(inner) - 2) * min(c, sizes[-1])
+            starts = max(0, num_steps // math.prod(inner) - 2) * min(c, c1)
             if starts <= budget_bytes:
                 consider_nest(functools.partial(_nest_pieces, inner=inner))
                 if depth == 2:
