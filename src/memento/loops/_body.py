@@ -8,8 +8,9 @@ constant number of times whatever the number of steps.
 
 Internal states (the paper's Definition 3) are the residuals of ``jax.vjp`` of one step:
 the leaves of the pullback it returns. Residual leaves that *are* a const or the step's
-``x`` are not stored (they are at hand in the backward pass); the rest are, and their
-total size measures the paper's alpha.
+``x`` are not stored (they are at hand in the backward pass), nor those computed from
+the consts alone (computed again where the pullback is rebuilt, as ``lax.scan`` hoists
+them out of its loop); the rest are, and their total size measures the paper's alpha.
 """
 
 from __future__ import annotations
@@ -87,9 +88,15 @@ class ResidualSpec:
     ``source[i]`` is ``("const", j)`` or ``("x", j)`` for leaves that are the j-th const or
     x leaf of the step, ``("captured", j)`` for ``captured[j]``, a concrete array the step
     holds itself (a value a nested ``custom_vjp`` or ``jax.checkpoint`` closed over when
-    the body was traced: the same object in every step), else ``("stored", j)``: the
-    j-th stored residual. ``reads[i]``: whether the stored residuals depend on the i-th
-    carry leaf (None: not known, as if all do).
+    the body was traced: the same object in every step), ``("invariant", j)`` for the
+    j-th output of ``invariant``, else ``("stored", j)``: the j-th stored residual.
+    ``reads[i]``: whether the stored residuals depend on the i-th carry leaf (None: not
+    known, as if all do).
+
+    ``invariant`` computes, from the consts ``invariant_consts`` picks, the residuals that
+    depend on the consts alone (a weight transposed, cast or indexed): the same in every
+    step, so they are computed again where a pullback is rebuilt instead of stored per
+    step, as ``lax.scan`` hoists them out of its loop.
     """
 
     treedef: Any
@@ -97,6 +104,8 @@ class ResidualSpec:
     stored: tuple[jax.ShapeDtypeStruct, ...]
     captured: tuple[Any, ...] = ()
     reads: tuple[bool, ...] | None = None
+    invariant: Any = None
+    invariant_consts: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -291,7 +300,23 @@ class Body:
         closed, stored = jax.make_jaxpr(probe, return_shape=True)(
             _avals(self.consts), self.carry_avals, self.x_avals
         )
-        spec = ResidualSpec(found["treedef"], found["source"], tuple(stored), found["captured"])
+        source, stored = found["source"], tuple(stored)
+        invariant, consts_used, fixed = _invariants(closed, len(self.consts))
+        if invariant is not None:
+            # The j-th stored leaf: the how-manieth invariant one, or kept one, it is.
+            renumber = [("invariant", sum(fixed[:j])) if f else ("stored", j - sum(fixed[:j]))
+                        for j, f in enumerate(fixed)]  # fmt: skip
+            source = tuple(renumber[j] if kind == "stored" else (kind, j) for kind, j in source)
+            stored = tuple(s for s, f in zip(stored, fixed) if not f)
+            closed = closed.replace(
+                jaxpr=closed.jaxpr.replace(
+                    outvars=[o for o, f in zip(closed.jaxpr.outvars, fixed) if not f]
+                )
+            )
+        spec = ResidualSpec(
+            found["treedef"], source, stored, found["captured"],
+            invariant=invariant, invariant_consts=consts_used,
+        )  # fmt: skip
         return dataclasses.replace(spec, reads=_reads(closed, len(self.consts), self.carry_avals))
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
@@ -317,6 +342,7 @@ class Body:
         """Rebuilds the pullback of a step from its stored residuals."""
         pools = {"const": list(consts), "x": list(x), "stored": list(stored)}
         pools["captured"] = list(spec.captured)
+        pools["invariant"] = _invariant_values(spec, consts)
         leaves = [pools[kind][j] for kind, j in spec.source]
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
@@ -451,6 +477,43 @@ def _reads(closed, num_consts: int, carry_avals: Sequence) -> tuple[bool, ...] |
     return tuple(used[k + num_consts : k + num_consts + len(carry_avals)])
 
 
+def _invariants(closed, num_consts: int):
+    """``(jaxpr, consts_used, fixed)``: of the outputs of ``closed`` (a step's residuals,
+    of ``(consts, carry, x)``), ``fixed[i]`` whether the i-th depends on the consts alone,
+    through equations without effects; ``jaxpr`` computes those from the consts that
+    ``consts_used`` picks (None, and ``fixed`` all False, if there are none)."""
+    jaxpr = closed.jaxpr
+    varying = set(jaxpr.invars[num_consts:])
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+        if eqn.effects or any(v in varying for v in ins):
+            varying.update(eqn.outvars)
+    fixed = tuple(not isinstance(o, jex_core.Literal) and o not in varying for o in jaxpr.outvars)
+    if _dce_jaxpr is None or not any(fixed):
+        return None, (), (False,) * len(fixed)
+    k = len(jaxpr.constvars)
+    outs = [o for o, f in zip(jaxpr.outvars, fixed) if f]
+    # Effects feed none of them (their outputs vary); dead-code elimination keeps them.
+    pure = [e for e in jaxpr.eqns if not e.effects]
+    jaxpr = jaxpr.replace(eqns=pure, outvars=outs, effects=jex_core.no_effects)
+    pruned, used = _dce_jaxpr(_constvars_in(jaxpr), [True] * len(outs))
+    # The closed jaxpr's own constants stay constants; the step's consts become inputs.
+    consts_used = tuple(used[k : k + num_consts])
+    held = [c for c, u in zip(closed.consts, used[:k]) if u]
+    pruned = inputs_to_consts(
+        pruned, [True] * len(held) + [False] * (len(pruned.invars) - len(held))
+    )
+    return jex_core.ClosedJaxpr(pruned, held), consts_used, fixed
+
+
+def _invariant_values(spec: ResidualSpec, consts) -> Leaves:
+    """The residuals ``spec.invariant`` computes from ``consts`` (none if it has none)."""
+    if spec.invariant is None:
+        return []
+    picked = [c for c, u in zip(consts, spec.invariant_consts) if u]
+    return jax_core.eval_jaxpr(spec.invariant.jaxpr, spec.invariant.consts, *picked)
+
+
 def _live(jaxpr):
     """``jaxpr`` (constvars and invars kept, in order) without the equations that no
     output needs."""
@@ -557,9 +620,10 @@ def _agrees(leaves, spec: ResidualSpec, consts, x) -> bool:
     if len(leaves) != len(spec.source):
         return False
     pools = {"const": list(consts), "x": list(x), "captured": list(spec.captured)}
+    fixed = spec.invariant.out_avals if spec.invariant is not None else []
     for leaf, (kind, j) in zip(leaves, spec.source):
-        if kind == "stored":
-            t, want = jax.typeof(leaf), spec.stored[j]
+        if kind in ("stored", "invariant"):
+            t, want = jax.typeof(leaf), (spec.stored if kind == "stored" else fixed)[j]
             if (t.shape, t.dtype) != (want.shape, want.dtype):
                 return False
         elif leaf is not pools[kind][j]:
