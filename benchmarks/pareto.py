@@ -40,7 +40,8 @@ temp <= budget * 1.05 + 4 KiB and time <= 1.1x that idiom's; at a quarter of nes
 sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
 
 Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
-      [--bodies tanh4,elem256,matvec128,lstm32,lstm256,gru64,velocity64,scalar,elem4096]
+      [--bodies tanh4,elem256,matvec128,lstm32,lstm256,gru64,velocity64,scalar,elem4096,
+       rk4mlp,mixed256,counter16,conv8x128]
       [--executors auto,static,rows,recursion]
       [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
       (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
@@ -228,6 +229,89 @@ def _wave_inputs(width: int):
     return make
 
 
+def _rk4(p, h, x):
+    """One classical Runge-Kutta step of a two-layer field: many internal states per
+    carry."""
+    import jax.numpy as jnp
+
+    def field(y):
+        return jnp.tanh(p["A"] @ jnp.tanh(p["B"] @ y + x))
+
+    dt = 0.05
+    k1 = field(h)
+    k2 = field(h + dt / 2 * k1)
+    k3 = field(h + dt / 2 * k2)
+    k4 = field(h + dt * k3)
+    h = h + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    return h, jnp.sum(h * h)
+
+
+def _rk4_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    params = {
+        "A": jax.random.normal(k[0], (32, 64)) / 8,
+        "B": jax.random.normal(k[1], (64, 32)) / 6,
+    }
+    return params, jnp.full((32,), 0.1), 0.1 * jax.random.normal(k[2], (num_steps, 64))
+
+
+def _mixed(p, h, x):
+    """A matrix product in bfloat16, the rest in float32 (mixed precision)."""
+    import jax.numpy as jnp
+
+    z = (p["W"].astype(jnp.bfloat16) @ h.astype(jnp.bfloat16)).astype(jnp.float32)
+    h = jnp.tanh(z * p["s"] + x)
+    return h, jnp.mean(h)
+
+
+def _mixed_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(6), 2)
+    params = {"W": jax.random.normal(k[0], (256, 256)) / 16, "s": jnp.float32(0.9)}
+    return params, jnp.zeros(256), 0.1 * jax.random.normal(k[1], (num_steps, 256))
+
+
+def _counter(p, c, x):
+    """An integer step counter beside the state."""
+    import jax.numpy as jnp
+
+    i, h = c
+    h = jnp.tanh(p @ h + x * jnp.sin(i.astype(jnp.float32) * 0.01))
+    return (i + 1, h), h[0]
+
+
+def _counter_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(7), 2)
+    init = (jnp.int32(0), jnp.zeros(16))
+    return jax.random.normal(k[0], (16, 16)) / 4, init, jax.random.normal(k[1], (num_steps, 16))
+
+
+def _conv(p, h, x):
+    import jax
+    import jax.numpy as jnp
+
+    y = jax.lax.conv_general_dilated(h[None], p, (1,), "SAME")[0]
+    h = jnp.tanh(y + x)
+    return h, jnp.mean(h)
+
+
+def _conv_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(8), 2)
+    kernel = jax.random.normal(k[0], (8, 8, 5)) / 6
+    return kernel, jnp.zeros((8, 128)), 0.1 * jax.random.normal(k[1], (num_steps, 8, 128))
+
+
 BODIES = {
     b.name: b
     for b in (
@@ -242,6 +326,10 @@ BODIES = {
         Body("velocity64", "64 floats and their velocity", _velocity, _velocity_inputs),
         Body("scalar", "`tanh(a * h + b * x)`, a scalar", _scalar, _scalar_inputs),
         Body("elem4096", "`tanh(w * h + x)`, 4096 floats", _elementwise, _wave_inputs(4096)),
+        Body("rk4mlp", "an RK4 step of a two-layer field, 32 floats", _rk4, _rk4_inputs),
+        Body("mixed256", "`tanh(s * (W @ h) + x)`, W @ h in bfloat16", _mixed, _mixed_inputs),
+        Body("counter16", "16 floats and an integer counter", _counter, _counter_inputs),
+        Body("conv8x128", "a convolution, 8 channels of 128", _conv, _conv_inputs),
     )
 }
 

@@ -101,7 +101,11 @@ def test_check_gradient_refuses_a_wrong_gradient():
 @pytest.mark.parametrize("name", sorted(pareto.BODIES))
 def test_every_body_runs_and_mementos_gradient_is_lax_scans(name):
     # Each body at 8 steps: its inputs, its loss under lax.scan and under memento with a
-    # budget of a few slots, the same gradient (float32).
+    # budget of a few slots, the same gradient (float32). The bfloat16 product's is
+    # rounded in another order (lax.scan sums the steps' weight cotangents in bfloat16,
+    # memento casts each step's back to float32): each is about 8e-3 from the float64
+    # gradient of the cell without the casts, so they agree to bfloat16's precision.
+    tol = dict(rtol=0.0, atol=1.6e-2) if name == "mixed256" else dict(rtol=1e-4, atol=1e-5)
     body = pareto.BODIES[name]
     args = body.make(8)
     want = jax.grad(pareto.loss_of(body.cell, pareto.peer_runs(8)["lax.scan"]))(*args)
@@ -109,4 +113,4 @@ def test_every_body_runs_and_mementos_gradient_is_lax_scans(name):
         *args
     )
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, **tol)
