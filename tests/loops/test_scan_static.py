@@ -207,6 +207,32 @@ def test_byte_budgets_count_the_weights_cotangents_a_batched_step_multiplies_out
         assert temp <= budget * 1.05 + 4096, (temp, budget)
 
 
+@pytest.mark.parametrize("share", [0.05, 0.3])
+def test_byte_budgets_hold_for_a_weight_cast_to_bfloat16(share):
+    # The cast weight is computed again where a step's pullback is rebuilt (not stored
+    # per step), and its cotangent is a bfloat16 outer product cast back to float32:
+    # both are in the working set a byte budget counts.
+    with jax.enable_x64(False):
+        w = jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16
+        h0, xs = jnp.zeros(256), jnp.ones((1000, 256)) * 0.1
+
+        def loss(w, xs, memory=None):
+            def cell(h, x):
+                z = (w.astype(jnp.bfloat16) @ h.astype(jnp.bfloat16)).astype(jnp.float32)
+                return jnp.tanh(z + x), jnp.mean(h)
+
+            h, ys = memento.scan(cell, h0, xs, memory=memory)
+            return jnp.sum(ys) + jnp.sum(h)
+
+        budget = int(_temp(jax.grad(loss), w, xs) * share)
+        try:
+            temp = _temp(jax.grad(functools.partial(loss, memory=f"{budget}B")), w, xs)
+        except ValueError as e:  # below a step's working set: the least is named, and fits
+            budget = int(re.search(r"memory='(\d+)B'", str(e)).group(1))
+            temp = _temp(jax.grad(functools.partial(loss, memory=f"{budget}B")), w, xs)
+        assert temp <= budget * 1.05 + 4096, (temp, budget)
+
+
 def test_the_step_profile_counts_the_weight_cotangents_that_are_matrix_products():
     # Counted: a weight times a batch of rows (its cotangent contracts the rows), through
     # a transpose or a cast too, and a convolution's kernel; once per product. Not
@@ -229,6 +255,10 @@ def test_the_step_profile_counts_the_weight_cotangents_that_are_matrix_products(
     assert products(lambda h, x: (jnp.tanh(h @ u + h @ u.T), x), h, x) == 2 * u.nbytes
     vec = f32(32)
     assert products(lambda h, x: (jnp.tanh(v @ h), x), vec, vec) == 0
+    # A weight cast to another dtype before a matrix times a vector: the outer product
+    # is cast back before it is summed, a buffer of its own (in the cast dtype).
+    half = lambda h, x: ((v.astype(jnp.bfloat16) @ h.astype(jnp.bfloat16)).astype(h.dtype), x)
+    assert products(half, vec, vec) == v.nbytes // 2
     assert products(lambda h, x: (jnp.tanh(h @ u), x), h, x, const_mask=[False]) == 0
     img = f32((1, 2, 8, 8))
     conv = lambda h, x: (jnp.tanh(lax.conv(h, k, (1, 1), "SAME"))[:, :2], x)

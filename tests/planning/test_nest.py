@@ -102,3 +102,46 @@ def test_loops_of_one_trip_cost_no_iterations_or_starts():
     # for them, the refills of the middle level's one-step segments included.
     three = StaticPlan(((10, 10, 1),), carry_bytes=16, residual_bytes=48)
     assert three.loop_starts == 1 + 10 + 1 + 100 * 1 + 0
+
+
+def test_a_budget_for_every_step_stores_every_step_whatever_the_time_model_says():
+    # lax.scan's own gradient where it fits, even for a time model that prefers another.
+    def prefers_recomputing(plan):
+        return -plan.evaluations
+
+    plan = plan_static(1000, 10**9, carry_bytes=16, residual_bytes=48, seconds=prefers_recomputing)
+    assert plan.pieces == ((1000,),)
+
+
+def test_rewritten_bytes_count_every_store_into_a_stack_copied_whole():
+    # A store into a stack of n entries copies n entries: a stack filled once copies n^2.
+    sizes = dict(carry_bytes=16, residual_bytes=48, carry_rewrite_bytes=2, residual_rewrite_bytes=3)
+    assert StaticPlan(((100,),), **sizes).rewritten_bytes == 100**2 * 3
+    # Two levels: the K starts once, each of the K innermost segments' L internal states.
+    assert StaticPlan(((10, 20),), **sizes).rewritten_bytes == 10**2 * 2 + 10 * 20**2 * 3
+    # Three levels: also each outer segment's refilled buffer of K_2 - 1 starts.
+    three = StaticPlan(((4, 5, 6),), **sizes).rewritten_bytes
+    assert three == 4**2 * 2 + 4 * (5 - 1) ** 2 * 2 + 4 * 5 * 6**2 * 3
+    assert StaticPlan(((10, 20), (7,)), 16, 48).rewritten_bytes == 0
+
+
+def test_stacks_copied_whole_at_each_store_are_kept_short():
+    # bfloat16 internal states on CPU: a stack of n of them costs n^2 copies, so the
+    # plan that stores a long run of steps whole is no longer the fastest.
+    from memento.planning.internals import loop_seconds
+
+    def seconds(plan, step=3e-6):
+        return loop_seconds(
+            plan.evaluations, plan.loop_iterations, "static", step=step, backend="cpu",
+            starts=plan.loop_starts, rewritten=plan.rewritten_bytes,
+        )  # fmt: skip
+
+    sizes = dict(carry_bytes=1024, residual_bytes=1536, whole_bytes=1024)
+    budget = 4 * 2**20
+    free = plan_static(3001, budget, **sizes, seconds=seconds)
+    costly = plan_static(3001, budget, **sizes, residual_rewrite_bytes=512, seconds=seconds)
+
+    def longest_stack(plan):
+        return max(p[-1] if len(p) > 1 else p[0] for p in plan.pieces)
+
+    assert longest_stack(free) > 500 and longest_stack(costly) <= 100, (free, costly)

@@ -385,9 +385,13 @@ def step_profile(body: Body) -> StepProfile:
     return _profile(body.jaxpr, tracked)
 
 
-def _profile(jaxpr, tracked: set) -> StepProfile:
+def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepProfile:
+    """``tracked``: the differentiated closed-over arrays, and what relayouts pass them
+    on as; ``cast``: those of them cast to another dtype on the way (a cotangent in the
+    cast dtype, converted back before it is summed: a buffer of its own, whatever the
+    product's other operand)."""
     flops, nbytes_, ops, largest, products = 0.0, 0.0, 0, 0, 0
-    tracked = set(tracked)
+    tracked, cast = set(tracked), set(cast)
     for eqn in jaxpr.eqns:
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
         ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
@@ -398,8 +402,9 @@ def _profile(jaxpr, tracked: set) -> StepProfile:
                 sub = getattr(sub, "jaxpr", sub)
                 # A call passes its operands on in order; a loop's carry is not followed.
                 aligned = "length" not in eqn.params and len(sub.invars) == len(eqn.invars)
-                into = {s for s, v in zip(sub.invars, eqn.invars) if aligned and _in(v, tracked)}
-                q = _profile(sub, into)
+                pairs = list(zip(sub.invars, eqn.invars)) if aligned else []
+                into = {s for s, v in pairs if _in(v, tracked)}
+                q = _profile(sub, into, {s for s, v in pairs if _in(v, cast)})
                 flops, nbytes_ = flops + times * q.flops, nbytes_ + times * q.bytes
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
                 products += times * q.products
@@ -410,9 +415,12 @@ def _profile(jaxpr, tracked: set) -> StepProfile:
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             size *= 2 * math.prod(ins[0].shape[d] for d in lhs_contract)
         if name in _PRODUCTS:
-            products += _product_cotangents(eqn, tracked)
+            products += _product_cotangents(eqn, tracked, cast)
         elif name in _RELAYOUTS and any(_in(v, tracked) for v in eqn.invars):
             tracked.update(eqn.outvars)
+            recast = name == "convert_element_type" and eqn.params["new_dtype"] != ins[0].dtype
+            if recast or any(_in(v, cast) for v in eqn.invars):
+                cast.update(eqn.outvars)
         out_bytes = [math.prod(a.shape) * a.dtype.itemsize for a in outs]
         flops += size
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
@@ -421,9 +429,9 @@ def _profile(jaxpr, tracked: set) -> StepProfile:
     return StepProfile(flops, nbytes_, ops, largest, products)
 
 
-def _product_cotangents(eqn, tracked: set) -> int:
+def _product_cotangents(eqn, tracked: set, cast: set) -> int:
     """Bytes of the tracked operands of a matrix product (or convolution) whose cotangent
-    contracts rows of the other operand (see `step_profile`)."""
+    contracts rows of the other operand, or is cast back (see `_profile`)."""
     lhs, rhs = eqn.invars[:2]
     if eqn.primitive.name == "conv_general_dilated":
         # The kernel's cotangent is a convolution over the batch and spatial dimensions.
@@ -437,7 +445,7 @@ def _product_cotangents(eqn, tracked: set) -> int:
     return sum(
         math.prod(v.aval.shape) * v.aval.dtype.itemsize
         for v, r in zip((lhs, rhs), rows)
-        if r and _in(v, tracked)
+        if (r or _in(v, cast)) and _in(v, tracked)
     )
 
 

@@ -78,7 +78,8 @@ class _Sizes:
     accumulates in the gradient it returns (no temporary buffer), and ``loop`` the
     control state that a static plan holds only with inner loops
     (`StaticPlan.loop_bytes`); ``start`` what a one-step segment's stored start keeps
-    (`StaticPlan.start_bytes`)."""
+    (`StaticPlan.start_bytes`); ``carry_rewrite`` and ``residual_rewrite`` their bytes
+    in bfloat16 leaves (`StaticPlan.carry_rewrite_bytes`)."""
 
     carry: int
     residual: int
@@ -90,6 +91,8 @@ class _Sizes:
     accumulators: int
     loop: int
     start: int
+    carry_rewrite: int = 0
+    residual_rewrite: int = 0
 
     @property
     def summed_in_place(self) -> int:
@@ -227,7 +230,7 @@ def _static_fit(fit: _Fit) -> Choice | None:
     # Under a slot budget the nest was fitted by its stored states; its bytes count all.
     full = StaticPlan(
         prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level, sizes.whole,
-        sizes.piece, sizes.loop, sizes.start,
+        sizes.piece, sizes.loop, sizes.start, sizes.carry_rewrite, sizes.residual_rewrite,
     )  # fmt: skip
     whole = prog.pieces == ((fit.num_steps,),)
     why = (
@@ -267,14 +270,22 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     # intermediate, the weights' cotangents it computes as matrix products before adding
     # them up) and the closed-over arrays' cotangents.
     loop = max(0, _CONTROL_BYTES - profile.largest)
-    working = residual + carry + xs + profile.largest + loop + profile.products
+    # The residuals computed again from the consts where a pullback is rebuilt.
+    again = nbytes(spec.invariant.out_avals) if spec.invariant is not None else 0
+    working = residual + carry + xs + profile.largest + loop + profile.products + again
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
     piece = 4 * carry + _CONTROL_BYTES // 2
     reads = spec.reads or [True] * len(body.carry_avals)
     start = nbytes([a for a, m in zip(body.carry_avals, reads) if m])
-    return _Sizes(carry, residual, stream, working + consts, level, xs, piece, consts, loop, start)
+    rewrite = [
+        nbytes([a for a in avals if a.dtype == jax.numpy.bfloat16])
+        for avals in (body.carry_avals, spec.stored)
+    ]
+    return _Sizes(
+        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start, *rewrite
+    )
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
@@ -293,10 +304,14 @@ def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
             "piece_bytes": sizes.piece,
             "loop_bytes": sizes.loop,
             "start_bytes": sizes.start,
+            "carry_rewrite_bytes": sizes.carry_rewrite,
+            "residual_rewrite_bytes": sizes.residual_rewrite,
         }
     return (slots - 1) * sizes.carry, {
         "carry_bytes": sizes.carry,
         "residual_bytes": sizes.residual,
+        "carry_rewrite_bytes": sizes.carry_rewrite,
+        "residual_rewrite_bytes": sizes.residual_rewrite,
     }
 
 
@@ -333,6 +348,7 @@ def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
         backend=backend,
         starts=plan.loop_starts,
         spilled=plan.spilled_bytes(loop_costs(backend).cache),
+        rewritten=plan.rewritten_bytes,
     )
 
 

@@ -61,6 +61,9 @@ class StaticPlan:
         start_bytes: what the stored start of a one-step segment keeps: the carry's
             leaves that its step's internal state depends on (XLA drops the others, as
             for ``lax.scan(jax.checkpoint(step))``); None for the whole carry.
+        carry_rewrite_bytes, residual_rewrite_bytes: of a carry and of an internal
+            state, the bytes in leaves whose stack a backend copies whole at each store
+            into it (bfloat16 on CPU, see `LoopCosts.rewrite`): time, not memory.
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -72,6 +75,8 @@ class StaticPlan:
     piece_bytes: int = 0
     loop_bytes: int = 0
     start_bytes: int | None = None
+    carry_rewrite_bytes: int = 0
+    residual_rewrite_bytes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -132,6 +137,25 @@ class StaticPlan:
         are stored once, and read back once, in either)."""
         r = self.residual_bytes
         return sum(math.prod(p) * r for p in self.pieces if p[-1] * r > cache)
+
+    @property
+    def rewritten_bytes(self) -> int:
+        """Bytes copied by stores into stacks that are copied whole at each store (see
+        ``carry_rewrite_bytes``): a store into a stack of ``n`` entries copies ``n``."""
+        cr, rr = self.carry_rewrite_bytes, self.residual_rewrite_bytes
+        if not (cr or rr):
+            return 0
+        total = 0
+        for p in self.pieces:
+            if len(p) == 1:
+                total += p[0] ** 2 * rr
+                continue
+            *ks, inner = p
+            # The forward pass's stack of starts; each innermost segment's internal
+            # states; each level's refilled buffer of K - 1 starts.
+            total += ks[0] ** 2 * cr + math.prod(ks) * inner**2 * rr
+            total += sum(math.prod(ks[:d]) * (ks[d] - 1) ** 2 * cr for d in range(1, len(ks)))
+        return total
 
     @property
     def program_loops(self) -> int:
@@ -320,12 +344,15 @@ def plan_static(
     piece_bytes: int = 0,
     loop_bytes: int = 0,
     start_bytes: int | None = None,
+    carry_rewrite_bytes: int = 0,
+    residual_rewrite_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
     seconds: Callable[[StaticPlan], float] | None = None,
 ) -> StaticPlan | None:
-    """The static plan of fewest evaluations (then fewest loop iterations) whose stored
-    states fit ``budget_bytes``, or None if none of up to ``max_depth`` levels fits;
+    """Every step stored where that fits ``budget_bytes`` (``lax.scan``'s own gradient);
+    else the static plan of fewest evaluations (then fewest loop iterations) whose stored
+    states fit it, or None if none of up to ``max_depth`` levels fits;
     with ``seconds`` (a plan's predicted time), the fastest that fits, or one of fewer
     loops (`StaticPlan.program_loops`) predicted within 3% of its time; with
     ``fewest_bytes``, the candidate of fewest bytes instead.
@@ -341,7 +368,10 @@ def plan_static(
     """
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
     c1 = c if start_bytes is None else int(start_bytes)
-    sizes = (c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes), c1)
+    sizes = (
+        c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes), c1,
+        int(carry_rewrite_bytes), int(residual_rewrite_bytes),
+    )  # fmt: skip
     best: StaticPlan | None = None
 
     fits: dict[StaticPlan, float] = {}  # with ``seconds``: each plan that fits, its time
@@ -365,7 +395,10 @@ def plan_static(
         consider(StaticPlan(tuple(_fuse_last(pieces_of(num_steps))), *sizes))
         consider(StaticPlan(tuple(_keep_last_step(pieces_of(num_steps - 1))), *sizes))
 
-    consider(StaticPlan(((num_steps,),), *sizes))
+    everything = StaticPlan(((num_steps,),), *sizes)
+    if not fewest_bytes and everything.peak_bytes <= budget_bytes:
+        return everything  # lax.scan's own gradient: the fewest evaluations and loops
+    consider(everything)
     whole = num_steps * (r + int(whole_bytes))
     for depth in range(2, max_depth + 1):
         for inner in _candidates(num_steps, depth, c, r + s):

@@ -6,7 +6,7 @@ as tight loops, the rows executor reads a schedule row and dispatches on it, the
 keeps its own stack. For small steps that overhead dominates; `loop_seconds` charges it.
 
 The constants are per backend and coarse: what separates the executors is orders of
-magnitude (a ``lax.scan`` iteration costs tens of nanoseconds on CPU, a row of the rows
+magnitude (a ``lax.scan`` iteration costs nanoseconds on CPU, a row of the rows
 executor or a node of the recursion about a microsecond), not the digits.
 ``benchmarks/pareto.py`` times ``"auto"``'s pick against every forced executor.
 """
@@ -34,6 +34,9 @@ class LoopCosts:
             stores them and the backward pass that reads them (a segment's).
         spill: per byte of internal state stored past ``cache`` (written to memory and
             read back).
+        rewrite: per byte copied by a store into a stack that the backend copies whole
+            at each store (XLA's CPU backend does so for bfloat16 arrays, as in
+            ``lax.scan``'s own gradient), see `StaticPlan.rewritten_bytes`.
     """
 
     flop: float
@@ -43,21 +46,26 @@ class LoopCosts:
     start: float
     cache: float
     spill: float
+    rewrite: float = 0.0
 
 
-# CPU: a 4-float cell's gradient per evaluation on each executor (benchmarks/pareto.py).
-# The static executor's loop start: on CPU, the time a nest of 10^4 steps of that cell
-# adds per outer segment, over the three loops a segment starts.
+# CPU: fitted to the gradients' times of eight bodies (a scalar to an LSTM, 4 to 4096
+# floats) under eight static plans each at 10^4 steps, one core, a step's backward
+# counted as two evaluations; the rows' and the recursion's iterations measured on a
+# 4-float cell. ``cache``: a stack of internal states up to 8 MB costs no more per byte
+# than shorter ones; from 48 MB on it does (half the last-level cache of the machine
+# measured, 32 MiB). ``rewrite``: a loop storing 256 bfloat16 per step into a stack.
 # GPU: a loop iteration is a launch and a predicate read back, several microseconds.
 _COSTS = {
     "cpu": LoopCosts(
-        flop=2.5e-10,
-        byte=1.0e-10,
-        op=2.0e-8,
-        iteration={"static": 2.0e-8, "rows": 1.5e-6, "recursion": 1.0e-6},
-        start=5.0e-7,
-        cache=2**20,
+        flop=1.6e-11,
+        byte=2.8e-12,
+        op=4.8e-10,
+        iteration={"static": 6.3e-9, "rows": 1.5e-6, "recursion": 1.0e-6},
+        start=5.0e-8,
+        cache=16 * 2**20,
         spill=1.0e-10,
+        rewrite=1.45e-10,
     ),
     "gpu": LoopCosts(
         flop=1.0e-13,
@@ -93,12 +101,14 @@ def loop_seconds(
     backend: str,
     starts: float = 0,
     spilled: float = 0,
+    rewritten: float = 0,
 ) -> float:
     """Predicted seconds of a plan: ``evaluations`` forward evaluations of a step of
     ``step`` seconds (its backward counted as two more, for every plan alike),
     ``iterations`` loop iterations of ``executor`` and, for the static executor, the
     ``starts`` of its loops and the bytes of internal states it stores past the cache
-    (``spilled``, see `LoopCosts.spill`)."""
+    (``spilled``, see `LoopCosts.spill`) and the bytes its stores copy (``rewritten``,
+    see `LoopCosts.rewrite`)."""
     c = loop_costs(backend)
     loops = iterations * c.iteration[executor] + starts * c.start
-    return evaluations * step + loops + 2 * spilled * c.spill
+    return evaluations * step + loops + 2 * spilled * c.spill + rewritten * c.rewrite
