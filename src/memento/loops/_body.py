@@ -503,7 +503,7 @@ def _invariants(closed, num_consts: int):
     outs = [o for o, f in zip(jaxpr.outvars, fixed) if f]
     # Effects feed none of them (their outputs vary); dead-code elimination keeps them.
     pure = [e for e in jaxpr.eqns if not e.effects]
-    jaxpr = jaxpr.replace(eqns=pure, outvars=outs, effects=jex_core.no_effects)
+    jaxpr = jaxpr.replace(eqns=pure, outvars=outs, effects=frozenset())
     pruned, used = _dce_jaxpr(_constvars_in(jaxpr), [True] * len(outs))
     # The closed jaxpr's own constants stay constants; the step's consts become inputs.
     consts_used = tuple(used[k : k + num_consts])
