@@ -630,3 +630,34 @@ def test_residuals_of_the_weights_alone_are_computed_again_not_stored_per_step(e
         ]
     }
     assert temp["memento"] <= temp["scan"] * 1.05 + 4096, temp
+
+
+@pytest.mark.parametrize("executor", ["static", "rows", "recursion"])
+def test_residuals_computed_again_keep_hessians_jvp_of_grad_and_vmap_exact(executor):
+    # The weight-only residuals computed again in the backward pass carry their tangents:
+    # forward-over-reverse and vmap of the gradient equal lax.scan's in float64.
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    w = jax.random.normal(k[0], (5, 5), jnp.float64) / 3
+    p = jnp.array([0.9, 0.5], jnp.float64)
+    xs = jax.random.normal(k[1], (30, 5), jnp.float64)
+    h0 = jax.random.normal(k[2], (5,), jnp.float64)
+
+    def loss(scan_fn, w, xs):
+        def cell(h, x):
+            return jnp.tanh(p[0] * ((w.T * jnp.exp(p[1])) @ h) + p[1] * x), jnp.sum(h * h)
+
+        h, ys = scan_fn(cell, h0, xs)
+        return jnp.sum(h) + jnp.sum(ys)
+
+    def derivatives(scan_fn):
+        def grad_w(w, xs=xs):
+            return jax.grad(loss, argnums=1)(scan_fn, w, xs)
+
+        return (
+            jax.hessian(loss, argnums=2)(scan_fn, w, xs),
+            jax.jvp(grad_w, (w,), (jnp.ones_like(w),))[1],
+            jax.vmap(lambda x: grad_w(w, x))(jnp.stack([xs, 0.5 * xs])),
+        )
+
+    got = derivatives(budgeted(memory="30%", executor=executor))
+    assert_trees_close(got, derivatives(lax.scan), rtol=1e-10, atol=1e-10)
