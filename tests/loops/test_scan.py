@@ -587,6 +587,50 @@ def test_a_step_whose_pullback_holds_a_closed_over_array(executor):
     assert all(s.shape != data.shape for s in spec.stored)
 
 
+def test_a_step_is_linearized_once_where_its_residuals_are_probed(monkeypatch):
+    # Every later step of every segment evaluates the probe's own trace (its carry, ys and
+    # stored residuals): the step is not linearized again per segment, which the first
+    # call would pay for in tracing. A captured array, an integer leaf and a residual of
+    # the weights alone are among the step's residuals.
+    from memento.loops import _body
+
+    calls = []
+    linearize = _body.Body.linearize
+    monkeypatch.setattr(
+        _body.Body, "linearize", lambda self, *a: calls.append(1) or linearize(self, *a)
+    )
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    w = jax.random.normal(k[0], (8, 8), jnp.float64) / 3
+    xs = jax.random.normal(k[1], (300, 8), jnp.float64)
+    h0 = jax.random.normal(k[2], (8,), jnp.float64)
+    table = jnp.linspace(0.5, 1.5, 8, dtype=jnp.float64)
+
+    @jax.checkpoint
+    def inner(h):
+        return jnp.sin(h) * table
+
+    def cell_of(w):
+        def cell(c, x):
+            i, h = c
+            h = jnp.tanh((w.T * 0.9) @ inner(h) + x * jnp.cos(0.01 * i))
+            return (i + 1, h), h[0]
+
+        return cell
+
+    def loss(scan_fn, w, h0, xs):
+        (_, h), ys = scan_fn(cell_of(w), (jnp.int32(0), h0), xs)
+        return jnp.sum(h) + jnp.sum(ys**2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
+    want = grad(lax.scan, w, h0, xs)
+    plan = memento.explain(cell_of(w), (jnp.int32(0), h0), xs, memory=40, executor="static")
+    assert plan.policy == "nest"  # segments run again, each step's residuals saved anew
+    calls.clear()
+    got = grad(budgeted(memory=40, executor="static"), w, h0, xs)
+    assert_trees_close(got, want)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("executor", ["static", "rows", "recursion"])
 def test_residuals_of_the_weights_alone_are_computed_again_not_stored_per_step(executor):
     # The step transposes, scales and indexes its weights. Those residuals are the same in

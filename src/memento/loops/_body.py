@@ -93,6 +93,10 @@ class ResidualSpec:
     ``reads[i]``: whether the stored residuals depend on the i-th carry leaf (None: not
     known, as if all do).
 
+    ``forward`` is the probe's own trace, of ``(consts, carry, x)`` to ``(carry_out, y,
+    stored)``: `Body.save` evaluates it rather than linearizing the step again, so every
+    step stores exactly the residuals probed.
+
     ``invariant`` computes, from the consts ``invariant_consts`` picks, the residuals that
     depend on the consts alone (a weight transposed, cast or indexed): the same in every
     step, so they are computed again where a pullback is rebuilt instead of stored per
@@ -106,6 +110,7 @@ class ResidualSpec:
     reads: tuple[bool, ...] | None = None
     invariant: Any = None
     invariant_consts: tuple[bool, ...] = ()
+    forward: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -291,15 +296,18 @@ class Body:
         found = {}
 
         def probe(consts, carry, x):
-            _, _, pullback = self.linearize(consts, carry, x)
+            c, y, pullback = self.linearize(consts, carry, x)
             leaves, treedef = jax.tree_util.tree_flatten(pullback)
             found["treedef"] = treedef
             found["source"], found["captured"] = _sources(leaves, consts, x)
-            return [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
+            return c, y, [l for l, (kind, _) in zip(leaves, found["source"]) if kind == "stored"]
 
-        closed, stored = jax.make_jaxpr(probe, return_shape=True)(
+        traced, (_, _, stored) = jax.make_jaxpr(probe, return_shape=True)(
             _avals(self.consts), self.carry_avals, self.x_avals
         )
+        head = len(self.carry_avals) + len(self.y_avals)
+        # The stored residuals alone, for the analyses below.
+        closed = traced.replace(jaxpr=traced.jaxpr.replace(outvars=traced.jaxpr.outvars[head:]))
         source, stored = found["source"], tuple(stored)
         invariant, consts_used, fixed = _invariants(closed, len(self.consts))
         if invariant is not None:
@@ -308,19 +316,19 @@ class Body:
                         for j, f in enumerate(fixed)]  # fmt: skip
             source = tuple(renumber[j] if kind == "stored" else (kind, j) for kind, j in source)
             stored = tuple(s for s, f in zip(stored, fixed) if not f)
-            closed = closed.replace(
-                jaxpr=closed.jaxpr.replace(
-                    outvars=[o for o, f in zip(closed.jaxpr.outvars, fixed) if not f]
-                )
-            )
+            outvars = traced.jaxpr.outvars
+            kept = [o for o, f in zip(outvars[head:], fixed) if not f]
+            traced = traced.replace(jaxpr=traced.jaxpr.replace(outvars=outvars[:head] + kept))
+            closed = closed.replace(jaxpr=closed.jaxpr.replace(outvars=kept))
         spec = ResidualSpec(
             found["treedef"], source, stored, found["captured"],
-            invariant=invariant, invariant_consts=consts_used,
+            invariant=invariant, invariant_consts=consts_used, forward=traced,
         )  # fmt: skip
         return dataclasses.replace(spec, reads=_reads(closed, len(self.consts), self.carry_avals))
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
-        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``.
+        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``: the
+        probe's trace (``spec.forward``) evaluated, or the step linearized again.
 
         With no tracer among the inputs (an eager call), the step is traced under
         ``jax.jit``, as the probe traced it: JAX may build a pullback of another structure
@@ -329,14 +337,24 @@ class Body:
         """
         if not any(isinstance(a, jax_core.Tracer) for a in (*consts, *carry, *x)):
             return jax.jit(functools.partial(self.save, spec))(consts, carry, x)
-        c, y, pullback = self.linearize(consts, carry, x)
-        leaves = jax.tree_util.tree_leaves(pullback)
-        if not _agrees(leaves, spec, consts, x):
-            raise RuntimeError(  # the probe and this call saw different input types
-                "memento: internal error: a step's residuals differ from those probed (input "
-                f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
-            )
-        return c, y, [l for l, (kind, _) in zip(leaves, spec.source) if kind == "stored"]
+        if spec.forward is not None:
+            traced = spec.forward
+            out = jax_core.eval_jaxpr(traced.jaxpr, traced.consts, *consts, *carry, *x)
+            n, m = len(self.carry_avals), len(self.y_avals)
+            c = [_as_aval(o, a) for o, a in zip(out[:n], self.carry_avals)]
+            y = [_as_aval(o, a) for o, a in zip(out[n : n + m], self.y_avals)]
+            stored = out[n + m :]
+            if all(_same_type(o, a) for o, a in zip(stored, spec.stored)):
+                return c, y, stored
+        else:
+            c, y, pullback = self.linearize(consts, carry, x)
+            leaves = jax.tree_util.tree_leaves(pullback)
+            if _agrees(leaves, spec, consts, x):
+                return c, y, [l for l, (kind, _) in zip(leaves, spec.source) if kind == "stored"]
+        raise RuntimeError(  # the probe and this call saw different input types
+            "memento: internal error: a step's residuals differ from those probed (input "
+            f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
+        )
 
     def restore(self, spec: ResidualSpec, stored, consts, x) -> Callable:
         """Rebuilds the pullback of a step from its stored residuals."""
@@ -616,6 +634,11 @@ def _sources(leaves, kf, xf) -> tuple[tuple[tuple[str, int], ...], tuple]:
     return tuple(out), tuple(captured)
 
 
+def _same_type(value, aval) -> bool:
+    t = jax.typeof(value)
+    return (t.shape, t.dtype) == (aval.shape, aval.dtype)
+
+
 def _agrees(leaves, spec: ResidualSpec, consts, x) -> bool:
     """Whether `Body.restore` rebuilds a step's pullback ``leaves`` from what ``spec``
     keeps: each const, x or captured leaf is the very value it names, and each stored one
@@ -631,8 +654,7 @@ def _agrees(leaves, spec: ResidualSpec, consts, x) -> bool:
     fixed = spec.invariant.out_avals if spec.invariant is not None else []
     for leaf, (kind, j) in zip(leaves, spec.source):
         if kind in ("stored", "invariant"):
-            t, want = jax.typeof(leaf), (spec.stored if kind == "stored" else fixed)[j]
-            if (t.shape, t.dtype) != (want.shape, want.dtype):
+            if not _same_type(leaf, (spec.stored if kind == "stored" else fixed)[j]):
                 return False
         elif leaf is not pools[kind][j]:
             return False
