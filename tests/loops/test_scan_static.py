@@ -425,15 +425,16 @@ def test_zero_size_leaves_nan_and_negative_zero_cotangents(monkeypatch):
 
 def test_the_program_is_bounded_whatever_the_number_of_steps():
     # A static plan has at most four levels and a few pieces, each traced once: the
-    # program's size is bounded by a constant (one nest of two levels to four pieces of
-    # up to four), not proportional to the number of steps.
+    # program's size is bounded by a constant (one nest of two levels, here at 10^4
+    # steps, to four pieces of up to four levels at 10^6), not proportional to the number
+    # of steps.
     w, h0, _ = _params(1)
     sizes = []
     for num_steps in (10**3, 10**4, 10**5, 10**6):
         xs = jax.ShapeDtypeStruct((num_steps, 3), jnp.float64)
         f = jax.jit(jax.grad(functools.partial(_cell_loss, h0=h0, memory=400)))
         sizes.append(len(f.lower(w, xs).as_text()))
-    assert max(sizes) <= 4 * min(sizes), sizes
+    assert max(sizes) <= 5 * min(sizes), sizes
 
 
 def test_scan_schedule_returns_the_static_plan_as_rows():

@@ -25,6 +25,7 @@ from jax import lax
 
 from ..planning.internals import StaticPlan
 from ._body import Body, ResidualSpec, split
+from ._interpreter import read_index
 
 Leaves = list
 
@@ -36,7 +37,7 @@ def _run(b: Body, consts, c, xs, start, n: int, unroll: int):
 
     def step(state, _):
         c, i = state
-        c, y = b(consts, c, [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs])
+        c, y = b(consts, c, _at(xs, i))
         return (c, i + 1), y
 
     (c, _), ys = lax.scan(step, (list(c), start), None, length=n, unroll=unroll)
@@ -124,7 +125,20 @@ def _reuse(spare: list, shape, dtype):
 
 
 def _at(stacked: Sequence, i) -> Leaves:
-    return [lax.dynamic_index_in_dim(a, i, keepdims=False) for a in stacked]
+    """Entry ``i`` of each stacked array, ``0 <= i < len`` (in range by construction)."""
+    return [read_index(a, i) for a in stacked]
+
+
+def _put(a, v, i):
+    """``a.at[i].set(v)`` along the first axis, in place, ``0 <= i < len(a)``."""
+    return lax.dynamic_update_index_in_dim(a, v, i, 0, allow_negative_indices=False)
+
+
+def _digit(j, count: int, k: int | None):
+    """``(j // count) % k`` for ``j >= 0`` (``k`` None: no remainder, the quotient is
+    below it), without the ops of a division by 1."""
+    q = j if count == 1 else lax.div(j, jnp.int32(count))
+    return q if k is None else lax.rem(q, jnp.int32(k))
 
 
 def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
@@ -154,26 +168,29 @@ def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, stat
         def one(i, state):
             c, buf = state
             c, _ = _run(b, consts, c, xs, pos + i * unit, unit, unroll)
-            return c, [lax.dynamic_update_index_in_dim(a, v, i, 0) for a, v in zip(buf, c)]
+            return c, [_put(a, v, i) for a, v in zip(buf, c)]
 
         return lax.fori_loop(0, count, one, (list(c), buf))[1]
 
     def one(carry, j):
         state, bufs = carry
-        digits = [(j // counts[d]) % ks[d] for d in range(len(ks))]
+        # The outermost digit is below ks[0], as j is below prod(ks).
+        digits = [_digit(j, counts[d], ks[d] if d else None) for d in range(len(ks))]
         c = _at(outer_starts, digits[0])
         pos = start + digits[0] * units[0]
         new_bufs = []
         for d in range(1, len(ks)):
             # Entering a level d-1 segment from its end: all lower digits at their last.
             entering = functools.reduce(
-                jnp.logical_and, [digits[e] == ks[e] - 1 for e in range(d, len(ks))]
+                lax.bitwise_and, [digits[e] == ks[e] - 1 for e in range(d, len(ks))]
             )
             # A loop of 0 or K-1 trips rather than a cond: the buffer is updated in place.
-            buf = refill(bufs[d - 1], c, pos, jnp.where(entering, ks[d] - 1, 0), units[d])
+            trips = lax.select(entering, jnp.int32(ks[d] - 1), jnp.int32(0))
+            buf = refill(bufs[d - 1], c, pos, trips, units[d])
             new_bufs.append(buf)
-            later = _at(buf, jnp.maximum(digits[d] - 1, 0))
-            c = [jnp.where(digits[d] == 0, a, s) for a, s in zip(c, later)]
+            later = _at(buf, lax.max(digits[d] - 1, jnp.int32(0)))
+            first = digits[d] == 0
+            c = [lax.select(first, a, s) for a, s in zip(c, later)]
             pos = pos + digits[d] * units[d]
         _, _, stored = _stored_run(b, spec, consts, c, xs, pos, inner, unroll)
         state = _pull_steps(b, spec, consts, xs, ct_ys, stored, pos, inner, state, unroll)
@@ -211,7 +228,7 @@ def _pull_steps(b: Body, spec, consts, xs, ct_ys, stored, start, n: int, state, 
         i = i - 1
         d_k, d_c, d_x = b.restore(spec, stored_i, consts, _at(xs, start + i))((ct_c, ct_y))
         ct_k = [a + d for a, d in zip(ct_k, d_k)]
-        ct_xs = [lax.dynamic_update_index_in_dim(a, d, start + i, 0) for a, d in zip(ct_xs, d_x)]
+        ct_xs = [_put(a, d, start + i) for a, d in zip(ct_xs, d_x)]
         return (list(d_c), ct_k, ct_xs, i), None
 
     ct_y = [lax.dynamic_slice_in_dim(a, start, n) for a in ct_ys]

@@ -381,9 +381,14 @@ def plan_static(
             return (p.peak_bytes, p.evaluations)
         return (p.evaluations, p.loop_iterations)
 
+    seen: set[StaticPlan] = set()
+
     def consider(p: StaticPlan | None) -> None:
         nonlocal best
-        if p is None or _lone_segment(p) or p.peak_bytes > budget_bytes:
+        if p is None or p in seen:
+            return
+        seen.add(p)
+        if _lone_segment(p) or p.peak_bytes > budget_bytes:
             return
         if seconds is not None:
             fits[p] = seconds(p)
