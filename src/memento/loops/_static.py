@@ -134,11 +134,13 @@ def _put(a, v, i):
     return lax.dynamic_update_index_in_dim(a, v, i, 0, allow_negative_indices=False)
 
 
-def _digit(j, count: int, k: int | None):
-    """``(j // count) % k`` for ``j >= 0`` (``k`` None: no remainder, the quotient is
-    below it), without the ops of a division by 1."""
+def _digit(j, count: int, k: int):
+    """``(j // count) % k`` for ``j >= 0``, without the ops of a division by 1.
+
+    The remainder stays where the quotient is below ``k`` already (the outermost digit):
+    without it XLA:CPU ran a four-level nest's backward a quarter slower."""
     q = j if count == 1 else lax.div(j, jnp.int32(count))
-    return q if k is None else lax.rem(q, jnp.int32(k))
+    return lax.rem(q, jnp.int32(k))
 
 
 def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
@@ -174,8 +176,7 @@ def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, stat
 
     def one(carry, j):
         state, bufs = carry
-        # The outermost digit is below ks[0], as j is below prod(ks).
-        digits = [_digit(j, counts[d], ks[d] if d else None) for d in range(len(ks))]
+        digits = [_digit(j, counts[d], ks[d]) for d in range(len(ks))]
         c = _at(outer_starts, digits[0])
         pos = start + digits[0] * units[0]
         new_bufs = []
