@@ -14,6 +14,7 @@ from jax import lax
 
 import memento
 from memento.loops import _choice
+from memento.planning import Op
 from memento.planning.internals import nest_schedule, static_plan
 
 
@@ -443,3 +444,24 @@ def test_scan_schedule_returns_the_static_plan_as_rows():
         lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs, memory=30, executor="static"
     )
     assert s.policy == "static" and s.simulate().forward_evaluations == s.cost
+
+
+def test_one_step_segments_give_way_to_a_nest_where_xla_cpu_would_run_them_as_dataflow():
+    # On CPU, a one-step segment's backward iteration (the step run again and its VJP)
+    # of a 16-wide matrix-vector cell has more than XLA:CPU's eight operations in order,
+    # so it runs as a dataflow graph, slower per iteration than the nest's separate
+    # loops: at a budget that holds every step's start, `auto` runs a nest of longer
+    # segments instead. On other backends the term is not counted.
+    w, h0, xs = _params(600, h=16)
+    cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
+    every_start = 600 * 16 * 8 + 64 * 1024
+    plan = memento.explain(cell, h0, xs, memory=f"{every_start}B")
+    if plan.backend != "cpu":
+        pytest.skip("the dataflow term is XLA:CPU's")
+    assert plan.executor == "static"
+    starts = int(np.sum(plan.schedule.actions[:, 0] == int(Op.SAVE_HIDDEN)))
+    assert starts < 600 // 4, plan.why
+    ref = jax.grad(_cell_loss, argnums=(0, 1))(w, xs, h0, memory=None, executor="auto")
+    got = jax.grad(_cell_loss, argnums=(0, 1))(w, xs, h0, memory=f"{every_start}B", executor="auto")
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

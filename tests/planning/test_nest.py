@@ -145,3 +145,57 @@ def test_stacks_copied_whole_at_each_store_are_kept_short():
         return max(p[-1] if len(p) > 1 else p[0] for p in plan.pieces)
 
     assert longest_stack(free) > 500 and longest_stack(costly) <= 100, (free, costly)
+
+
+def test_step_iterations_split_one_step_segments_from_the_other_loops():
+    # A one-step segment's backward iteration runs its step again and back-propagates
+    # it; every other per-step iteration does one of the two.
+    assert StaticPlan(((100, 1),), 1, 1).step_iterations == (100, 100)
+    # Two levels: forward, run again keeping residuals, back-propagated.
+    assert StaticPlan(((10, 10),), 1, 1).step_iterations == (300, 0)
+    # Steps stored whole: forward keeping residuals, back-propagated.
+    assert StaticPlan(((10, 10), (7,)), 1, 1).step_iterations == (314, 0)
+    # Three levels: each of the 5 outer segments runs its 3 later sub-segments again.
+    assert StaticPlan(((5, 4, 5),), 1, 1).step_iterations == (100 + 5 * 3 * 5 + 200, 0)
+    assert StaticPlan(((5, 4, 1),), 1, 1).step_iterations == (20 + 5 * 3, 20)
+    for pieces in [((10, 10),), ((5, 4, 5),), ((100,),), ((10, 10), (7,))]:
+        plan = StaticPlan(pieces, 1, 1)
+        separate, fused = plan.step_iterations
+        # Separate iterations: every evaluation, and a pullback per step.
+        assert separate + fused == plan.evaluations + plan.num_steps
+
+
+def test_loops_run_as_dataflow_graphs_cost_more_per_iteration_on_cpu():
+    from memento.planning.internals import dataflow_loops, loop_seconds
+
+    # An elementwise step: few operations per loop body, in order on every backend.
+    assert dataflow_loops(0, 1, 12_000, "cpu") == (False, False)
+    # A matrix-vector step: a one-step segment's body (the step and its VJP, whose
+    # product is two) passes XLA:CPU's eight operations; the separate loops do not.
+    assert dataflow_loops(1, 1, 1_500, "cpu") == (False, True)
+    # Too small to matter: a loop touching under 1 KiB is compiled whole.
+    assert dataflow_loops(1, 1, 256, "cpu") == (False, False)
+    # Two carry leaves beside the product: every loop's body passes eight operations.
+    assert dataflow_loops(1, 2, 20_000, "cpu") == (True, True)
+    assert dataflow_loops(6, 2, 20_000, "gpu") == (False, False)
+
+    def seconds(plan, flags):
+        separate, fused = plan.step_iterations
+        return loop_seconds(
+            plan.evaluations, plan.loop_iterations, "static", step=1e-7, backend="cpu",
+            starts=plan.loop_starts, dataflow=separate * flags[0] + fused * flags[1],
+        )  # fmt: skip
+
+    per_step, nest = StaticPlan(((3000, 1),), 64, 640), StaticPlan(((50, 60),), 64, 640)
+    # Without the dataflow term one-step segments look faster (fewer iterations); with
+    # it, as measured for such steps, the nest is.
+    assert seconds(per_step, (False, False)) < seconds(nest, (False, False))
+    assert seconds(per_step, (False, True)) > seconds(nest, (False, True))
+    budget = 3000 * 64 + 4096
+    sizes = dict(carry_bytes=64, residual_bytes=640)
+    picks = {
+        flags: plan_static(3000, budget, **sizes, seconds=lambda p, f=flags: seconds(p, f))
+        for flags in [(False, False), (False, True)]
+    }
+    assert any(len(p) > 1 and p[-1] == 1 for p in picks[False, False].pieces), picks
+    assert all(p[-1] > 1 for p in picks[False, True].pieces if len(p) > 1), picks

@@ -370,15 +370,17 @@ class StepProfile:
     """What one primal step does, counted on its jaxpr (loops inside it by their trip
     count): ``flops`` (a matrix product ``2 * out * contracted``, any other op one per
     output element), ``bytes`` (every op's inputs and outputs), ``ops``, ``largest``, the
-    bytes of its largest intermediate array, and ``products``, the bytes of the
+    bytes of its largest intermediate array, ``products``, the bytes of the
     differentiated closed-over arrays' cotangents that the step's VJP computes as matrix
-    products (see `step_profile`)."""
+    products (see `step_profile`), and ``matmuls``, its matrix products and
+    convolutions."""
 
     flops: float
     bytes: float
     ops: int
     largest: int
     products: int = 0
+    matmuls: int = 0
 
 
 # Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
@@ -408,7 +410,7 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
     on as; ``cast``: those of them cast to another dtype on the way (a cotangent in the
     cast dtype, converted back before it is summed: a buffer of its own, whatever the
     product's other operand)."""
-    flops, nbytes_, ops, largest, products = 0.0, 0.0, 0, 0, 0
+    flops, nbytes_, ops, largest, products, matmuls = 0.0, 0.0, 0, 0, 0, 0
     tracked, cast = set(tracked), set(cast)
     for eqn in jaxpr.eqns:
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
@@ -425,7 +427,7 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
                 q = _profile(sub, into, {s for s, v in pairs if _in(v, cast)})
                 flops, nbytes_ = flops + times * q.flops, nbytes_ + times * q.bytes
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
-                products += times * q.products
+                products, matmuls = products + times * q.products, matmuls + times * q.matmuls
             continue
         name = eqn.primitive.name
         size = sum(math.prod(a.shape) for a in outs)
@@ -434,6 +436,7 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
             size *= 2 * math.prod(ins[0].shape[d] for d in lhs_contract)
         if name in _PRODUCTS:
             products += _product_cotangents(eqn, tracked, cast)
+            matmuls += 1
         elif name in _RELAYOUTS and any(_in(v, tracked) for v in eqn.invars):
             tracked.update(eqn.outvars)
             recast = name == "convert_element_type" and eqn.params["new_dtype"] != ins[0].dtype
@@ -444,7 +447,7 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
         largest = max([largest, *out_bytes])
-    return StepProfile(flops, nbytes_, ops, largest, products)
+    return StepProfile(flops, nbytes_, ops, largest, products, matmuls)
 
 
 def _product_cotangents(eqn, tracked: set, cast: set) -> int:

@@ -22,6 +22,7 @@ from ..planning.internals import (
     Request,
     StaticPlan,
     auto_charges,
+    dataflow_loops,
     host_slots,
     loop_costs,
     loop_seconds,
@@ -123,6 +124,7 @@ class _Fit:
     budget: int | Bytes
     sizes: _Sizes
     step: float
+    dataflow: tuple[bool, bool] = (False, False)
 
     def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
         return loop_seconds(evaluations, iterations, executor, step=self.step, backend=self.backend)
@@ -198,7 +200,10 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
     profile = step_profile(body)
     step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
     sizes = _static_sizes(body, spec, profile)
-    return _Fit(body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step)
+    dataflow = dataflow_loops(profile.matmuls, sum(body.carry_mask), profile.bytes, backend)
+    return _Fit(
+        body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step, dataflow
+    )
 
 
 # The static nests.
@@ -221,7 +226,9 @@ def _static_fit(fit: _Fit) -> Choice | None:
     room, kinds = _static_budget(fit.budget, fit.slots, sizes)
     if isinstance(fit.budget, Bytes) and fit.budget.num_bytes >= fit.num_steps * sizes.residual:
         room = math.inf  # room for lax.scan's own memory: store every step
-    seconds = functools.partial(_static_seconds, step=fit.step, backend=fit.backend)
+    seconds = functools.partial(
+        _static_seconds, step=fit.step, backend=fit.backend, dataflow=fit.dataflow
+    )
     prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
     if prog is None:
         if forced:
@@ -338,8 +345,13 @@ def _no_static_plan(fit: _Fit) -> str:
     )
 
 
-def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
-    """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``."""
+def _static_seconds(
+    plan: StaticPlan, *, step: float, backend: str, dataflow: tuple[bool, bool]
+) -> float:
+    """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``,
+    whose separate and fused loops run as dataflow graphs as ``dataflow`` says
+    (`dataflow_loops`)."""
+    separate, fused = plan.step_iterations
     return loop_seconds(
         plan.evaluations,
         plan.loop_iterations,
@@ -349,6 +361,7 @@ def _static_seconds(plan: StaticPlan, *, step: float, backend: str) -> float:
         starts=plan.loop_starts,
         spilled=plan.spilled_bytes(loop_costs(backend).cache),
         rewritten=plan.rewritten_bytes,
+        dataflow=separate * dataflow[0] + fused * dataflow[1],
     )
 
 

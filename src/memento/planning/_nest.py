@@ -131,6 +131,30 @@ class StaticPlan:
         among them): what a per-loop overhead multiplies."""
         return sum(_piece_starts(p) for p in self.pieces)
 
+    @property
+    def step_iterations(self) -> tuple[int, int]:
+        """Iterations that each run one step, ``(separate, fused)``: ``fused`` those that
+        run a step again and back-propagate it at once (a one-step segment's, in the
+        backward pass), ``separate`` those of loops that run steps (forward, run again,
+        keeping residuals) or back-propagate them (from stored residuals). A backend
+        may run a loop body of more operations more slowly (`LoopCosts.dataflow`)."""
+        separate = fused = 0
+        for p in self.pieces:
+            steps = math.prod(p)
+            if len(p) == 1:
+                separate += 2 * steps  # the forward keeping residuals, the pullbacks
+                continue
+            *ks, inner = p
+            # Forward once; each level's refills run its K - 1 sub-segments again.
+            separate += steps + sum(
+                math.prod(ks[:d]) * (ks[d] - 1) * math.prod(p[d + 1 :]) for d in range(1, len(ks))
+            )
+            if inner == 1:
+                fused += steps
+            else:
+                separate += 2 * steps
+        return separate, fused
+
     def spilled_bytes(self, cache: float) -> int:
         """Bytes of internal states stored in stacks larger than ``cache``: those of the
         pieces stored whole, and of every innermost segment, that outgrow it (a step's

@@ -19,7 +19,7 @@ Not user API: names here may change between versions. NumPy only, like the rest 
   `checkpoints_at`, `msm_estimate_s`.
 - Static plans (nested segments of static lengths, the static executor's):
   `StaticPlan`, `plan_static`, `static_plan`, `nest_schedule`; what a plan's loops cost:
-  `LoopCosts`, `loop_costs`, `loop_seconds`, `step_seconds`.
+  `LoopCosts`, `loop_costs`, `loop_seconds`, `step_seconds`, `dataflow_loops`.
 """
 
 from ._args import check_argnums as check_argnums
@@ -75,6 +75,7 @@ from ._schedule import (
 )
 from ._time import (
     LoopCosts as LoopCosts,
+    dataflow_loops as dataflow_loops,
     loop_costs as loop_costs,
     loop_seconds as loop_seconds,
     step_seconds as step_seconds,
