@@ -61,6 +61,11 @@ SUITES: dict[str, Suite] = {
         "small bodies on CPU: measured time against the plan's model",
         "small_loops.json",
     ),
+    "loop-ops": Suite(
+        "loop_ops.py",
+        "operations per loop body on CPU: checkpoint per step against nested sqrt(T)",
+        "loop_ops.json",
+    ),
     "first-call": Suite(
         "first_call.py",
         "the first call of a budgeted gradient (trace, plan, compile, run) by stage",
