@@ -97,6 +97,23 @@ def _program(hlo: str) -> str:
     return re.sub(r",? ?(metadata|stack_frame_id)=(\{[^}]*\}|\d+)", "", hlo[start:])
 
 
+def add_threads_option(parser) -> None:
+    """``--threads one|all``: XLA:CPU threads per operation (see `use_one_thread`)."""
+    parser.add_argument(
+        "--threads",
+        choices=("one", "all"),
+        default="one",
+        help="XLA:CPU threads per operation (one: steadier when shared)",
+    )
+
+
+def print_markdown(path: str | Path, render: Callable[[dict], str]) -> dict:
+    """Prints ``render`` of an existing results JSON (a script's ``--markdown``)."""
+    data = json.loads(Path(path).read_text())
+    print(render(data), end="")
+    return data
+
+
 def time_once(call: Callable[[], Any]) -> float:
     """Seconds for one call, waiting for the results."""
     start = time.perf_counter()

@@ -152,21 +152,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--bodies", default="matvec4,matvec8,matvec16,matvec64,counter16,velocity64,rk4mlp,elem256"
     )
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--threads",
-        choices=("one", "all"),
-        default="one",
-        help="XLA:CPU threads per operation (one: steadier when shared)",
-    )
+    _common.add_threads_option(parser)
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--markdown", metavar="JSON", help="print an existing JSON's table")
     args = parser.parse_args(argv)
     if args.markdown:
-        import json
-
-        data = json.loads(Path(args.markdown).read_text())
-        print(markdown(data), end="")
-        return data
+        return _common.print_markdown(args.markdown, markdown)
     if args.threads == "one":
         _common.use_one_thread()
     results = [measure(BODIES[n], args.steps, args.rounds) for n in args.bodies.split(",")]

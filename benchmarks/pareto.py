@@ -896,12 +896,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=4 * 2**30,
         help="compile but do not run methods with more temp bytes",
     )
-    parser.add_argument(
-        "--threads",
-        choices=("one", "all"),
-        default="one",
-        help="XLA:CPU threads per operation (one: steadier when shared)",
-    )
+    _common.add_threads_option(parser)
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument(
         "--markdown", metavar="JSON", help="print the tables of an existing JSON and exit"
@@ -923,11 +918,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the benchmark (or renders ``--markdown``); returns the JSON's data."""
     args = parse_args(argv)
     if args.markdown:
-        import json
-
-        data = json.loads(Path(args.markdown).read_text())
-        print(markdown(data), end="")
-        return data
+        return _common.print_markdown(args.markdown, markdown)
     if args.threads == "one":
         _common.use_one_thread()
     support = executor_support()
