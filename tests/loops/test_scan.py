@@ -587,6 +587,15 @@ def test_a_step_whose_pullback_holds_a_closed_over_array(executor):
     assert all(s.shape != data.shape for s in spec.stored)
 
 
+def _weights_and_inputs(seed: int, *, width: int, steps: int, scale: float):
+    """``(w, xs, h0)`` in float64: a ``width`` x ``width`` weight (normal / ``scale``),
+    ``steps`` inputs and an initial carry."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    w = jax.random.normal(k[0], (width, width), jnp.float64) / scale
+    xs = jax.random.normal(k[1], (steps, width), jnp.float64)
+    return w, xs, jax.random.normal(k[2], (width,), jnp.float64)
+
+
 def test_a_step_is_linearized_once_where_its_residuals_are_probed(monkeypatch):
     # Every later step of every segment evaluates the probe's own trace (its carry, ys and
     # stored residuals): the step is not linearized again per segment, which the first
@@ -599,10 +608,7 @@ def test_a_step_is_linearized_once_where_its_residuals_are_probed(monkeypatch):
     monkeypatch.setattr(
         _body.Body, "linearize", lambda self, *a: calls.append(1) or linearize(self, *a)
     )
-    k = jax.random.split(jax.random.PRNGKey(3), 3)
-    w = jax.random.normal(k[0], (8, 8), jnp.float64) / 3
-    xs = jax.random.normal(k[1], (300, 8), jnp.float64)
-    h0 = jax.random.normal(k[2], (8,), jnp.float64)
+    w, xs, h0 = _weights_and_inputs(3, width=8, steps=300, scale=3)
     table = jnp.linspace(0.5, 1.5, 8, dtype=jnp.float64)
 
     @jax.checkpoint
@@ -636,11 +642,8 @@ def test_residuals_of_the_weights_alone_are_computed_again_not_stored_per_step(e
     # The step transposes, scales and indexes its weights. Those residuals are the same in
     # every step: lax.scan hoists them out of its loop, and memento computes them again
     # where it rebuilds a step's pullback instead of storing a copy per step.
-    k = jax.random.split(jax.random.PRNGKey(0), 3)
-    w = jax.random.normal(k[0], (32, 32), jnp.float64) / 6
+    w, xs, h0 = _weights_and_inputs(0, width=32, steps=200, scale=6)
     p = jnp.array([0.9, 0.5], jnp.float64)
-    xs = jax.random.normal(k[1], (200, 32), jnp.float64)
-    h0 = jax.random.normal(k[2], (32,), jnp.float64)
 
     def loss(scan_fn, w, p, h0, xs):
         def cell(h, x):
@@ -680,11 +683,8 @@ def test_residuals_of_the_weights_alone_are_computed_again_not_stored_per_step(e
 def test_residuals_computed_again_keep_hessians_jvp_of_grad_and_vmap_exact(executor):
     # The weight-only residuals computed again in the backward pass carry their tangents:
     # forward-over-reverse and vmap of the gradient equal lax.scan's in float64.
-    k = jax.random.split(jax.random.PRNGKey(1), 3)
-    w = jax.random.normal(k[0], (5, 5), jnp.float64) / 3
+    w, xs, h0 = _weights_and_inputs(1, width=5, steps=30, scale=3)
     p = jnp.array([0.9, 0.5], jnp.float64)
-    xs = jax.random.normal(k[1], (30, 5), jnp.float64)
-    h0 = jax.random.normal(k[2], (5,), jnp.float64)
 
     def loss(scan_fn, w, xs):
         def cell(h, x):

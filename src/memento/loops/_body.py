@@ -16,7 +16,6 @@ them out of its loop); the rest are, and their total size measures the paper's a
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -327,34 +326,21 @@ class Body:
         return dataclasses.replace(spec, reads=_reads(closed, len(self.consts), self.carry_avals))
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
-        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``: the
-        probe's trace (``spec.forward``) evaluated, or the step linearized again.
-
-        With no tracer among the inputs (an eager call), the step is traced under
-        ``jax.jit``, as the probe traced it: JAX may build a pullback of another structure
-        from concrete values (``JAX_REMAT3=1`` folds a residual away), and the residuals
-        must be those probed.
-        """
-        if not any(isinstance(a, jax_core.Tracer) for a in (*consts, *carry, *x)):
-            return jax.jit(functools.partial(self.save, spec))(consts, carry, x)
-        if spec.forward is not None:
-            traced = spec.forward
-            out = jax_core.eval_jaxpr(traced.jaxpr, traced.consts, *consts, *carry, *x)
-            n, m = len(self.carry_avals), len(self.y_avals)
-            c = [_as_aval(o, a) for o, a in zip(out[:n], self.carry_avals)]
-            y = [_as_aval(o, a) for o, a in zip(out[n : n + m], self.y_avals)]
-            stored = out[n + m :]
-            if all(_same_type(o, a) for o, a in zip(stored, spec.stored)):
-                return c, y, stored
-        else:
-            c, y, pullback = self.linearize(consts, carry, x)
-            leaves = jax.tree_util.tree_leaves(pullback)
-            if _agrees(leaves, spec, consts, x):
-                return c, y, [l for l, (kind, _) in zip(leaves, spec.source) if kind == "stored"]
-        raise RuntimeError(  # the probe and this call saw different input types
-            "memento: internal error: a step's residuals differ from those probed (input "
-            f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
-        )
+        """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``:
+        the probe's own trace (``spec.forward``) evaluated, so that every step stores
+        exactly the residuals probed."""
+        traced = spec.forward
+        out = jax_core.eval_jaxpr(traced.jaxpr, traced.consts, *consts, *carry, *x)
+        n, m = len(self.carry_avals), len(self.y_avals)
+        c = [_as_aval(o, a) for o, a in zip(out[:n], self.carry_avals)]
+        y = [_as_aval(o, a) for o, a in zip(out[n : n + m], self.y_avals)]
+        stored = out[n + m :]
+        if not all(_same_type(o, a) for o, a in zip(stored, spec.stored)):
+            raise RuntimeError(  # the probe and this call saw different input types
+                "memento: internal error: a step's residuals differ from those probed (input "
+                f"types {[jax.typeof(a) for a in (*consts, *carry, *x)]}); please report it."
+            )
+        return c, y, stored
 
     def restore(self, spec: ResidualSpec, stored, consts, x) -> Callable:
         """Rebuilds the pullback of a step from its stored residuals."""
@@ -640,28 +626,6 @@ def _sources(leaves, kf, xf) -> tuple[tuple[tuple[str, int], ...], tuple]:
 def _same_type(value, aval) -> bool:
     t = jax.typeof(value)
     return (t.shape, t.dtype) == (aval.shape, aval.dtype)
-
-
-def _agrees(leaves, spec: ResidualSpec, consts, x) -> bool:
-    """Whether `Body.restore` rebuilds a step's pullback ``leaves`` from what ``spec``
-    keeps: each const, x or captured leaf is the very value it names, and each stored one
-    has the probed shape and dtype.
-
-    A stored leaf may be anything of its type: a step whose consts are concrete arrays
-    may return one of them where the probe, which traced the consts, saw a captured
-    array or a value it computed; storing it is exact.
-    """
-    if len(leaves) != len(spec.source):
-        return False
-    pools = {"const": list(consts), "x": list(x), "captured": list(spec.captured)}
-    fixed = spec.invariant.out_avals if spec.invariant is not None else []
-    for leaf, (kind, j) in zip(leaves, spec.source):
-        if kind in ("stored", "invariant"):
-            if not _same_type(leaf, (spec.stored if kind == "stored" else fixed)[j]):
-                return False
-        elif leaf is not pools[kind][j]:
-            return False
-    return True
 
 
 def _aval(x):
