@@ -182,3 +182,35 @@ def test_a_one_step_segment_stores_only_the_carry_its_step_reads(monkeypatch):
     assert num_steps * h0.nbytes <= compiled <= plan.program_bytes, (compiled, plan)
     want = jax.grad(functools.partial(loss, memory=None))(w, h0, xs)
     np.testing.assert_allclose(grad(w, h0, xs), want, rtol=1e-5, atol=1e-6)
+
+
+def test_at_checkpoint_per_steps_bytes_a_state_and_its_velocity_run_that_idiom():
+    # A state and a velocity that enters linearly: the idiom stores both leaves per
+    # step, a step's internal state (its tanh, its state) is the largest thing in flight
+    # in its VJP, and the count of that working set is the idiom's own: at exactly its
+    # bytes, auto runs it, in them, exactly.
+    num_steps = 500
+    w, h0, xs = _inputs(num_steps, width=64)
+    init = {"h": h0, "v": h0 + 0.1}
+
+    def loss(w, xs, run):
+        def step(c, x):
+            v = 0.9 * c["v"] + 0.1 * jnp.tanh(w @ c["h"] + x)
+            return {"h": c["h"] + 0.1 * v, "v": v}, jnp.sum(c["h"])
+
+        c, ys = run(step, init, xs)
+        return jnp.sum(ys) + jnp.sum(c["h"])
+
+    idiom = _temp(
+        jax.grad(functools.partial(loss, run=lambda f, c, x: jax.lax.scan(jax.checkpoint(f), c, x))),
+        w, xs,
+    )  # fmt: skip
+    at = functools.partial(memento.scan, memory=f"{idiom}B")
+    compiled = _temp(jax.grad(functools.partial(loss, run=at)), w, xs)
+    assert compiled == idiom, (compiled, idiom)
+    with jax.enable_x64(True):
+        w64, xs64 = w.astype(jnp.float64), xs.astype(jnp.float64)
+        init = jax.tree.map(lambda a: a.astype(jnp.float64), init)
+        got = jax.grad(functools.partial(loss, run=at))(w64, xs64)
+        want = jax.grad(functools.partial(loss, run=jax.lax.scan))(w64, xs64)
+        np.testing.assert_allclose(got, want, rtol=1e-12)

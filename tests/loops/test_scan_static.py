@@ -266,6 +266,63 @@ def test_the_step_profile_counts_the_weight_cotangents_that_are_matrix_products(
     assert products(conv, img, img) == k.nbytes
 
 
+def test_the_step_profile_tells_the_intermediates_of_the_weights_alone_apart():
+    # ``varying`` is the largest intermediate that depends on the carry or x: a weight's
+    # cast (of the weights alone, through a call too) is not, however large; a literal
+    # operand does not make a value depend on the step.
+    from memento.loops._body import make_body, step_profile
+
+    w = jnp.ones((256, 256), jnp.float32)
+    vec = jnp.ones(256, jnp.float32)
+
+    def cell(h, x):
+        wb = jax.jit(lambda w: w.astype(jnp.bfloat16) * 2)(w)
+        z = (wb @ h.astype(jnp.bfloat16)).astype(jnp.float32)
+        return jnp.tanh(z + x), x
+
+    profile = step_profile(make_body(cell, vec, vec, name="t"))
+    assert profile.largest == w.nbytes // 2  # the cast weight
+    assert profile.varying == vec.nbytes  # z, the tanh: the step's own
+    plain = step_profile(make_body(lambda h, x: (jnp.tanh(w @ h + x), x), vec, vec, name="t"))
+    assert plain.varying == plain.largest == vec.nbytes
+
+
+@pytest.mark.parametrize("cast", [jnp.bfloat16, None])
+def test_the_recursion_takes_the_slots_a_byte_budget_holds_beside_large_weights(cast):
+    # A weight of 256 KiB (cast to bfloat16, or not): the recursion sums its cotangent
+    # in the gradient it returns, so a byte budget a few carries above the least named
+    # holds that many slots (not one, as the rows' working set, which keeps the
+    # cotangent in a buffer of its own, would leave), within the budget; in float64
+    # (uncast) the gradient is lax.scan's.
+    def step(w, h, x):
+        z = w @ h if cast is None else (w.astype(cast) @ h.astype(cast)).astype(h.dtype)
+        return jnp.tanh(z + x), jnp.mean(h)
+
+    def loss(w, xs, h0, memory=None, executor="auto"):
+        run = functools.partial(memento.scan, memory=memory, executor=executor)
+        h, ys = (lax.scan if memory is None else run)(functools.partial(step, w), h0, xs)
+        return jnp.sum(ys) + jnp.sum(h)
+
+    with jax.enable_x64(cast is None):
+        dtype = jnp.float32 if cast else jnp.float64
+        w = (jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16).astype(dtype)
+        h0 = jnp.zeros(256, dtype)
+        xs = (jax.random.normal(jax.random.PRNGKey(1), (1000, 256)) * 0.1).astype(dtype)
+        cell = functools.partial(step, w)
+        with pytest.raises(ValueError, match="smallest plan") as e:
+            memento.explain(cell, h0, xs, memory="4KiB")
+        least = int(re.search(r"memory='(\d+)B'", str(e.value)).group(1))
+        budget = least + 8 * (h0.nbytes + 4)
+        for executor in ("auto", "recursion"):
+            plan = memento.explain(cell, h0, xs, memory=f"{budget}B", executor=executor)
+            assert plan.executor == "recursion" and plan.slots >= 8, plan.why
+            f = jax.grad(functools.partial(loss, h0=h0, memory=f"{budget}B", executor=executor))
+            assert _temp(f, w, xs) <= budget * 1.05 + 4096, (_temp(f, w, xs), budget)
+            if cast is None:
+                want = jax.grad(functools.partial(loss, h0=h0))(w, xs)
+                np.testing.assert_allclose(f(w, xs), want, rtol=1e-10, atol=1e-12)
+
+
 def test_rows_refuse_a_byte_budget_their_rows_do_not_fit_and_name_the_least():
     # The rows executor keeps O(T) schedule rows on the device: forced, a byte budget
     # below them is a clear error naming the least, not a program past the budget; that

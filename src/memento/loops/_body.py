@@ -358,8 +358,9 @@ class StepProfile:
     output element), ``bytes`` (every op's inputs and outputs), ``ops``, ``largest``, the
     bytes of its largest intermediate array, ``products``, the bytes of the
     differentiated closed-over arrays' cotangents that the step's VJP computes as matrix
-    products (see `step_profile`), and ``matmuls``, its matrix products and
-    convolutions."""
+    products (see `step_profile`), ``matmuls``, its matrix products and
+    convolutions, and ``varying``, the bytes of its largest intermediate that depends on
+    the carry or ``x`` (not on the closed-over arrays alone)."""
 
     flops: float
     bytes: float
@@ -367,6 +368,7 @@ class StepProfile:
     largest: int
     products: int = 0
     matmuls: int = 0
+    varying: int = 0
 
 
 # Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
@@ -388,16 +390,19 @@ def step_profile(body: Body) -> StepProfile:
     fuses into that sum, and is not counted.
     """
     tracked = {v for v, m in zip(body.jaxpr.constvars, body.const_mask) if m}
-    return _profile(body.jaxpr, tracked)
+    return _profile(body.jaxpr, tracked, fixed=set(body.jaxpr.constvars))
 
 
-def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepProfile:
+def _profile(
+    jaxpr, tracked: set, cast: frozenset | set = frozenset(), fixed: frozenset | set = frozenset()
+) -> StepProfile:
     """``tracked``: the differentiated closed-over arrays, and what relayouts pass them
     on as; ``cast``: those of them cast to another dtype on the way (a cotangent in the
     cast dtype, converted back before it is summed: a buffer of its own, whatever the
-    product's other operand)."""
-    flops, nbytes_, ops, largest, products, matmuls = 0.0, 0.0, 0, 0, 0, 0
-    tracked, cast = set(tracked), set(cast)
+    product's other operand); ``fixed``: the values computed from the closed-over
+    arrays alone."""
+    flops, nbytes_, ops, largest, products, matmuls, varying = 0.0, 0.0, 0, 0, 0, 0, 0
+    tracked, cast, fixed = set(tracked), set(cast), set(fixed)
     for eqn in jaxpr.eqns:
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
         ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
@@ -410,10 +415,14 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
                 aligned = "length" not in eqn.params and len(sub.invars) == len(eqn.invars)
                 pairs = list(zip(sub.invars, eqn.invars)) if aligned else []
                 into = {s for s, v in pairs if _in(v, tracked)}
-                q = _profile(sub, into, {s for s, v in pairs if _in(v, cast)})
+                held = {s for s, v in pairs if _fixed(v, fixed)}
+                q = _profile(sub, into, {s for s, v in pairs if _in(v, cast)}, held)
                 flops, nbytes_ = flops + times * q.flops, nbytes_ + times * q.bytes
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
                 products, matmuls = products + times * q.products, matmuls + times * q.matmuls
+                varying = max(varying, q.varying)
+            if aligned and not eqn.effects and all(_fixed(v, fixed) for v in eqn.invars):
+                fixed.update(eqn.outvars)
             continue
         name = eqn.primitive.name
         size = sum(math.prod(a.shape) for a in outs)
@@ -433,7 +442,11 @@ def _profile(jaxpr, tracked: set, cast: frozenset | set = frozenset()) -> StepPr
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
         largest = max([largest, *out_bytes])
-    return StepProfile(flops, nbytes_, ops, largest, products, matmuls)
+        if not eqn.effects and all(_fixed(v, fixed) for v in eqn.invars):
+            fixed.update(eqn.outvars)
+        else:
+            varying = max([varying, *out_bytes])
+    return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying)
 
 
 def _product_cotangents(eqn, tracked: set, cast: set) -> int:
@@ -454,6 +467,11 @@ def _product_cotangents(eqn, tracked: set, cast: set) -> int:
         for v, r in zip((lhs, rhs), rows)
         if (r or _in(v, cast)) and _in(v, tracked)
     )
+
+
+def _fixed(v, fixed: set) -> bool:
+    """Whether ``v`` is a literal or one of ``fixed``."""
+    return isinstance(v, jex_core.Literal) or _in(v, fixed)
 
 
 def _in(v, tracked: set) -> bool:

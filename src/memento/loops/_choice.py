@@ -273,13 +273,16 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     # ys' cotangents are sliced.
     stream = nbytes(split(body.y_avals, body.y_mask)[0])
     consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
-    # One step's VJP in flight (its internal state and carry, an x, its largest
-    # intermediate, the weights' cotangents it computes as matrix products before adding
-    # them up) and the closed-over arrays' cotangents.
-    loop = max(0, _CONTROL_BYTES - profile.largest)
     # The residuals computed again from the consts where a pullback is rebuilt.
     again = nbytes(spec.invariant.out_avals) if spec.invariant is not None else 0
-    working = residual + carry + xs + profile.largest + loop + profile.products + again
+    # One step's VJP in flight: its carry, an x, its internal state or its largest
+    # intermediate, whichever is larger (the largest is most often one of the residuals),
+    # the weights' cotangents it computes as matrix products before adding them up; and
+    # the closed-over arrays' cotangents. An intermediate of the consts alone is one of
+    # the residuals ``again`` counts, if there are any.
+    largest = profile.varying if again else profile.largest
+    loop = max(0, _CONTROL_BYTES - largest)
+    working = carry + xs + max(residual, largest) + loop + profile.products + again
     # A level beyond the second: its starts' selection and the loop state around it.
     level = 4 * carry + _CONTROL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
@@ -371,9 +374,9 @@ def _static_seconds(
 def _loop_fit(fit: _Fit) -> Choice:
     """The loop the policy picks for the budget: the recursion or the rows."""
     request = fit.request
-    slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
     if request.executor == "recursion":
-        return _recursion_fit(fit, slots, "asked for")
+        return _recursion_fit(fit, "asked for")
+    slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
     charges = auto_charges(fit.num_steps, request.executor, fit.backend)
     chosen = choose_policy(
         fit.num_steps, slots, fit.alpha, request.policy, name=request.name, charges=charges
@@ -381,14 +384,14 @@ def _loop_fit(fit: _Fit) -> Choice:
     least = recursion_min_steps(fit.backend)
     if chosen == "hsm" and request.executor == "auto" and fit.num_steps >= least:
         return _recursion_fit(
-            fit, slots, f"HSM runs as the recursion from {least:,} steps on {fit.backend}"
+            fit, f"HSM runs as the recursion from {least:,} steps on {fit.backend}"
         )
     if chosen == "hsm":  # (`_recursion_fit` caps its own)
         slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     rows = _rows_fit(fit, slots, charges)
     if rows is None:  # auto: the rows do not fit a byte budget; the recursion keeps none
         reason = "the schedule's rows would not fit the byte budget; the recursion keeps none"
-        return _recursion_fit(fit, slots, reason)
+        return _recursion_fit(fit, reason)
     return rows
 
 
@@ -447,14 +450,14 @@ def _rows_choice(
     )  # fmt: skip
 
 
-def _recursion_fit(fit: _Fit, slots: int, reason: str) -> Choice:
-    """HSM's binomial recursion in at most ``slots`` (fewer where a byte budget cannot
+def _recursion_fit(fit: _Fit, reason: str) -> Choice:
+    """HSM's binomial recursion in the budget's slots (fewer where a byte budget cannot
     hold their positions beside them). It keeps no rows: the smallest plan of all, one
     slot beside a step's working set. A byte budget below that is an error naming it.
     As the static nests, it sums the closed-over arrays' cotangents in the gradient it
-    returns, not in a buffer of its own."""
+    returns, not in a buffer of its own: its working set is smaller than the rows'."""
     per_slot, fixed = _recursion_slot_bytes(fit.sizes), fit.sizes.summed_in_place
-    slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
+    slots = min(fit.slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     slots = fit.slots_within(slots, per_slot, fixed)
     program_bytes = slots * per_slot + fixed
     if isinstance(fit.budget, Bytes) and program_bytes > _tolerated(fit.budget.num_bytes):
