@@ -143,6 +143,35 @@ def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share)
             assert temp <= budget * 1.05 + 4096, (executor, temp, budget)
 
 
+@pytest.mark.parametrize("width", [4, 64])
+@pytest.mark.parametrize(
+    "pieces",
+    [((10, 10, 10),), ((10, 5, 4, 5),), ((3, 10, 5, 5), (5, 10, 5)),
+     ((3, 10, 5, 5), (2, 10, 10), (5, 10)), ((5, 10, 10), (500,))],
+)  # fmt: skip
+def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, width, pieces):
+    # What the planner counts for a plan (`explain(...).program_bytes`) is at least what
+    # XLA compiles it to, and not far above: nests of three to four levels, several
+    # nests one after another (each keeps its refilled starts apart), and a nest beside
+    # steps stored whole.
+    from memento.planning.internals import StaticPlan
+
+    monkeypatch.setattr(
+        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
+            k: v for k, v in kw.items() if k.endswith("_bytes")
+        })
+    )  # fmt: skip
+    with jax.enable_x64(False):
+        w = jnp.eye(width) * 0.5
+        h0, xs = jnp.zeros(width), jnp.ones((1000, width)) * 0.1
+        cell = lambda h, x: (jnp.tanh(w @ h + x),) * 2
+        count = memento.explain(cell, h0, xs, memory="1GiB", executor="static").program_bytes
+        f = jax.grad(functools.partial(_cell_loss, h0=h0, memory="1GiB"))
+        compiled = _temp(f, w, xs)
+    assert compiled <= count + 512, (compiled, count)
+    assert count <= 1.35 * compiled + 1024, (compiled, count)
+
+
 def _elementwise_loss(w, xs, h0=None, memory=None, executor="auto"):
     h, ys = memento.scan(
         lambda h, x: (jnp.tanh(w * h + x), jnp.sum(h**2)), h0, xs, memory=memory, executor=executor

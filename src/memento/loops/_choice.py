@@ -103,6 +103,7 @@ class _Sizes:
 
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
+_LEVEL_BYTES = 640  # a nest's level beyond the second: its loops' counters (XLA:CPU: 64 B each)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -283,8 +284,8 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     largest = profile.varying if again else profile.largest
     loop = max(0, _CONTROL_BYTES - largest)
     working = carry + xs + max(residual, largest) + loop + profile.products + again
-    # A level beyond the second: its starts' selection and the loop state around it.
-    level = 4 * carry + _CONTROL_BYTES
+    # A level beyond the second: the counters and indices of its loops.
+    level = _LEVEL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
     piece = 4 * carry + _CONTROL_BYTES // 2
     reads = spec.reads or [True] * len(body.carry_avals)

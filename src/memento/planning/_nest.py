@@ -47,7 +47,7 @@ class StaticPlan:
         stream_bytes: what a step of a segment being back-propagated takes besides its
             internal state: its slice of the outputs' cotangents.
         level_bytes: what each level of a nest beyond the second takes besides its stored
-            starts and a second copy of them (the executor's loop state for it).
+            starts (the executor's loop state for it).
         whole_bytes: what a step of a piece stored whole keeps besides its internal state
             (its slice of ``xs``, which its pullback holds).
         piece_bytes: what each nest beyond the first takes besides its stored starts
@@ -100,16 +100,17 @@ class StaticPlan:
         stored = [_piece_stored(p, c, r + self.whole_bytes, c1) for p in self.pieces]
         held = max(0, nests - 1) * self.piece_bytes
         peak = held + sum(stored)
-        for p, kept in zip(self.pieces, stored):
+        # The buffers a nest refills with its inner levels' starts: XLA was seen to keep
+        # every nest's apart from the others', so a nest's backward runs beside the
+        # others' too.
+        refills = [_piece_refills(p, c, c1) for p in self.pieces]
+        for p, kept, own in zip(self.pieces, stored, refills):
             if len(p) > 1:
-                # A segment run again streams its slice of the cotangents.
-                # Each level beyond the second refills a buffer of its segment's starts,
-                # which XLA was seen to hold twice.
-                extra = p[-1] * self.stream_bytes + sum(
-                    (k - 1) * _start(p[d + 1 :], c, c1) + self.level_bytes
-                    for d, k in enumerate(p[1:-1], 1)
-                )
-                peak = max(peak, held + _piece_peak(p, c, r, c1) + extra)
+                # A segment run again streams its slice of the cotangents; each level
+                # beyond the second adds its loops' state.
+                extra = p[-1] * self.stream_bytes + (len(p) - 2) * self.level_bytes
+                apart = sum(refills) - own
+                peak = max(peak, held + _piece_peak(p, c, r, c1) + extra + apart)
             held += kept
         return peak + (self.loop_bytes if self.inner_loops else 0)
 
@@ -220,6 +221,12 @@ def _start(below: tuple[int, ...], c: int, c1: int) -> int:
 def _piece_stored(levels: tuple[int, ...], c: int, r: int, c1: int) -> int:
     """Bytes a piece keeps from its forward pass until its backward."""
     return levels[0] * r if len(levels) == 1 else levels[0] * _start(levels[1:], c, c1)
+
+
+def _piece_refills(levels: tuple[int, ...], c: int, c1: int) -> int:
+    """Bytes of the starts a nest's levels beyond the outermost store as it runs again
+    (none for the innermost segments, whose steps keep their internal states)."""
+    return sum(k * _start(levels[d + 1 :], c, c1) for d, k in enumerate(levels[1:-1], 1))
 
 
 def _piece_peak(levels: tuple[int, ...], c: int, r: int, c1: int) -> int:
