@@ -236,10 +236,7 @@ def _static_fit(fit: _Fit) -> Choice | None:
             raise ValueError(_no_static_plan(fit))
         return None
     # Under a slot budget the nest was fitted by its stored states; its bytes count all.
-    full = StaticPlan(
-        prog.pieces, sizes.carry, sizes.residual, sizes.stream, sizes.level, sizes.whole,
-        sizes.piece, sizes.loop, sizes.start, sizes.carry_rewrite, sizes.residual_rewrite,
-    )  # fmt: skip
+    full = StaticPlan(prog.pieces, **_plan_bytes(sizes))
     whole = prog.pieces == ((fit.num_steps,),)
     why = (
         "the budget holds every step's internal state: one lax.scan, as lax.scan's own gradient"
@@ -306,23 +303,28 @@ def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
     any); ``slots`` count stored states only, carry-sized, as in the paper (the initial
     carry is one)."""
     if isinstance(budget, Bytes):
-        return budget.num_bytes - _static_fixed(sizes), {
-            "carry_bytes": sizes.carry,
-            "residual_bytes": sizes.residual,
-            "stream_bytes": sizes.stream,
-            "level_bytes": sizes.level,
-            "whole_bytes": sizes.whole,
-            "piece_bytes": sizes.piece,
-            "loop_bytes": sizes.loop,
-            "start_bytes": sizes.start,
-            "carry_rewrite_bytes": sizes.carry_rewrite,
-            "residual_rewrite_bytes": sizes.residual_rewrite,
-        }
-    return (slots - 1) * sizes.carry, {
+        return budget.num_bytes - _static_fixed(sizes), _plan_bytes(sizes)
+    return (slots - 1) * sizes.carry, _plan_bytes(sizes, stored_only=True)
+
+
+def _plan_bytes(sizes: _Sizes, stored_only: bool = False) -> dict[str, int]:
+    """`StaticPlan`'s byte arguments for ``sizes``: all of them, or (``stored_only``)
+    those of the states it stores."""
+    stored = {
         "carry_bytes": sizes.carry,
         "residual_bytes": sizes.residual,
         "carry_rewrite_bytes": sizes.carry_rewrite,
         "residual_rewrite_bytes": sizes.residual_rewrite,
+    }
+    if stored_only:
+        return stored
+    return stored | {
+        "stream_bytes": sizes.stream,
+        "level_bytes": sizes.level,
+        "whole_bytes": sizes.whole,
+        "piece_bytes": sizes.piece,
+        "loop_bytes": sizes.loop,
+        "start_bytes": sizes.start,
     }
 
 
