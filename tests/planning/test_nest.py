@@ -199,3 +199,20 @@ def test_loops_run_as_dataflow_graphs_cost_more_per_iteration_on_cpu():
     }
     assert any(len(p) > 1 and p[-1] == 1 for p in picks[False, False].pieces), picks
     assert all(p[-1] > 1 for p in picks[False, True].pieces if len(p) > 1), picks
+
+
+def test_a_tight_budget_finds_the_nest_whose_segments_divide_the_steps():
+    # 10^4 steps of a 68-byte carry (internal state 196 bytes) in 8,361 bytes: the
+    # balanced three-level split (31 x 32 x 10) leaves a remainder nest whose loops and
+    # starts do not fit, but 50 x 20 x 10 divides the steps and does, with a quarter
+    # fewer evaluations than the four-level nests that fit.
+    sizes = dict(
+        carry_bytes=68, residual_bytes=196, stream_bytes=4, level_bytes=640, whole_bytes=64,
+        piece_bytes=784, loop_bytes=960, start_bytes=68,
+    )  # fmt: skip
+    plan = plan_static(10_000, 8_361, **sizes)
+    assert len(plan.pieces) == 1 and len(plan.pieces[0]) == 3, plan.pieces
+    assert plan.num_steps == 10_000 and plan.peak_bytes <= 8_361
+    assert plan.evaluations <= 29_600
+    replay = nest_schedule(plan).simulate()
+    assert replay.forward_evaluations == plan.evaluations

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 
@@ -347,6 +348,7 @@ def _candidates(num_steps: int, depth: int, c: int, r: int) -> list[tuple[int, .
             mids.append(kk)
             rest /= kk
         out.add((*mids, min(inner_len, num_steps)))
+        out.update(_exact_mids(num_steps, tuple(mids), min(inner_len, num_steps)))
     if depth == 2:  # beside stored steps the best segment is longer: try every scale
         out.update((int(n),) for n in np.unique(np.geomspace(1, num_steps, 40).astype(int)))
         # Divisors near the balanced length: one nest, no remainder (the fewest loops).
@@ -355,6 +357,24 @@ def _candidates(num_steps: int, depth: int, c: int, r: int) -> list[tuple[int, .
     return sorted(out)
 
 
+def _exact_mids(num_steps: int, mids: tuple[int, ...], inner_len: int) -> list[tuple[int, ...]]:
+    """Inner levels ``(*mids', inner_len)`` whose product divides ``num_steps``, each of
+    ``mids'`` within a factor 2 of ``mids``: one nest, no remainder nest beside it (whose
+    loops' state and refilled starts a tight budget may not hold)."""
+    if not mids or num_steps % inner_len:
+        return []
+    outer = num_steps // inner_len
+    near = [
+        [d for d in _divisors(outer) if k / 2 <= d <= k * 2] for k in mids
+    ]  # each level's divisors of the segments' count near its balanced size
+    out = []
+    for combo in itertools.product(*near):
+        if outer % math.prod(combo) == 0:
+            out.append((*combo, inner_len))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
 def _divisors(n: int) -> list[int]:
     """The divisors of ``n`` (none past 10^10 steps: the search takes sqrt(n) tries)."""
     if n > 10**10:
