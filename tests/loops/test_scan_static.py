@@ -172,6 +172,38 @@ def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, wid
     assert count <= 1.35 * compiled + 1024, (compiled, count)
 
 
+@pytest.mark.parametrize("pieces", [((40, 25),), ((10, 10, 10),), ((1000, 1),)])
+def test_a_carry_cast_wider_counts_its_stack_of_starts_cast(monkeypatch, pieces):
+    # A bfloat16 carry that the step casts to float32: XLA casts a nest's whole stack of
+    # outer starts before its backward loop, and the count holds that copy too.
+    from memento.planning.internals import StaticPlan
+
+    monkeypatch.setattr(
+        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
+            k: v for k, v in kw.items() if k.endswith("_bytes")
+        })
+    )  # fmt: skip
+    with jax.enable_x64(False):
+        w = jnp.linspace(0.5, 0.9, 512)
+        h0, xs = jnp.zeros(512, jnp.bfloat16), jnp.ones((1000, 512)) * 0.1
+
+        def cell(h, x, w):
+            h = jnp.tanh(w * h.astype(jnp.float32) + x).astype(jnp.bfloat16)
+            return h, jnp.mean(h.astype(jnp.float32))
+
+        cell_w = lambda w: functools.partial(cell, w=w)
+
+        def loss(w, xs):
+            h, ys = memento.scan(cell_w(w), h0, xs, memory="1GiB", executor="static")
+            return jnp.sum(ys) + jnp.sum(h.astype(jnp.float32))
+
+        plan = memento.explain(cell_w(w), h0, xs, memory="1GiB", executor="static")
+        compiled = _temp(jax.grad(loss), w, xs)
+    assert str([list(p) for p in pieces]) in plan.why, plan.why
+    assert compiled <= plan.program_bytes + 512, (compiled, plan.program_bytes)
+    assert plan.program_bytes <= 1.35 * compiled + 1024, (compiled, plan.program_bytes)
+
+
 def _elementwise_loss(w, xs, h0=None, memory=None, executor="auto"):
     h, ys = memento.scan(
         lambda h, x: (jnp.tanh(w * h + x), jnp.sum(h**2)), h0, xs, memory=memory, executor=executor

@@ -359,8 +359,9 @@ class StepProfile:
     bytes of its largest intermediate array, ``products``, the bytes of the
     differentiated closed-over arrays' cotangents that the step's VJP computes as matrix
     products (see `step_profile`), ``matmuls``, its matrix products and
-    convolutions, and ``varying``, the bytes of its largest intermediate that depends on
-    the carry or ``x`` (not on the closed-over arrays alone)."""
+    convolutions, ``varying``, the bytes of its largest intermediate that depends on
+    the carry or ``x`` (not on the closed-over arrays alone), and ``widened``, the bytes
+    of the carry leaves it casts to a wider dtype, as cast (see `step_profile`)."""
 
     flops: float
     bytes: float
@@ -369,6 +370,7 @@ class StepProfile:
     products: int = 0
     matmuls: int = 0
     varying: int = 0
+    widened: int = 0
 
 
 # Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
@@ -388,9 +390,21 @@ def step_profile(body: Body) -> StepProfile:
     contracts those rows, a buffer of its own before the step adds it to the gradient. A
     product of a matrix and a vector gives its cotangent as an outer product, which XLA
     fuses into that sum, and is not counted.
+
+    ``widened`` counts the carry leaves that the step casts to a wider dtype (bfloat16 to
+    float32, say), at the wider size: reading such a leaf from a stack of stored carries
+    inside a loop, XLA may cast the whole stack first, out of the loop.
     """
     tracked = {v for v, m in zip(body.jaxpr.constvars, body.const_mask) if m}
-    return _profile(body.jaxpr, tracked, fixed=set(body.jaxpr.constvars))
+    profile = _profile(body.jaxpr, tracked, fixed=set(body.jaxpr.constvars))
+    carry = set(body.jaxpr.invars[: len(body.carry_avals)])
+    widened = {}
+    for eqn in body.jaxpr.eqns:
+        (v,) = eqn.invars if eqn.primitive.name == "convert_element_type" else (None,)
+        if _in(v, carry) and eqn.params["new_dtype"].itemsize > v.aval.dtype.itemsize:
+            out = eqn.outvars[0].aval
+            widened[v] = max(widened.get(v, 0), math.prod(out.shape) * out.dtype.itemsize)
+    return dataclasses.replace(profile, widened=sum(widened.values()))
 
 
 def _profile(
@@ -421,7 +435,7 @@ def _profile(
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
                 products, matmuls = products + times * q.products, matmuls + times * q.matmuls
                 varying = max(varying, q.varying)
-            if aligned and not eqn.effects and all(_fixed(v, fixed) for v in eqn.invars):
+            if _of_fixed(eqn, fixed):
                 fixed.update(eqn.outvars)
             continue
         name = eqn.primitive.name
@@ -442,7 +456,7 @@ def _profile(
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
         largest = max([largest, *out_bytes])
-        if not eqn.effects and all(_fixed(v, fixed) for v in eqn.invars):
+        if _of_fixed(eqn, fixed):
             fixed.update(eqn.outvars)
         else:
             varying = max([varying, *out_bytes])
@@ -472,6 +486,12 @@ def _product_cotangents(eqn, tracked: set, cast: set) -> int:
 def _fixed(v, fixed: set) -> bool:
     """Whether ``v`` is a literal or one of ``fixed``."""
     return isinstance(v, jex_core.Literal) or _in(v, fixed)
+
+
+def _of_fixed(eqn, fixed: set) -> bool:
+    """Whether ``eqn`` has no effects and reads only literals and ``fixed`` values (the
+    values computed from the closed-over arrays alone): its outputs are then such values."""
+    return not eqn.effects and all(_fixed(v, fixed) for v in eqn.invars)
 
 
 def _in(v, tracked: set) -> bool:
@@ -516,12 +536,11 @@ def _invariants(closed, num_consts: int):
     through equations without effects; ``jaxpr`` computes those from the consts that
     ``consts_used`` picks (None, and ``fixed`` all False, if there are none)."""
     jaxpr = closed.jaxpr
-    varying = set(jaxpr.invars[num_consts:])
+    held = {*jaxpr.constvars, *jaxpr.invars[:num_consts]}
     for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
-        if eqn.effects or any(v in varying for v in ins):
-            varying.update(eqn.outvars)
-    fixed = tuple(not isinstance(o, jex_core.Literal) and o not in varying for o in jaxpr.outvars)
+        if _of_fixed(eqn, held):
+            held.update(eqn.outvars)
+    fixed = tuple(not isinstance(o, jex_core.Literal) and o in held for o in jaxpr.outvars)
     if _dce_jaxpr is None or not any(fixed):
         return None, (), (False,) * len(fixed)
     k = len(jaxpr.constvars)

@@ -80,7 +80,8 @@ class _Sizes:
     control state that a static plan holds only with inner loops
     (`StaticPlan.loop_bytes`); ``start`` what a one-step segment's stored start keeps
     (`StaticPlan.start_bytes`); ``carry_rewrite`` and ``residual_rewrite`` their bytes
-    in bfloat16 leaves (`StaticPlan.carry_rewrite_bytes`)."""
+    in bfloat16 leaves (`StaticPlan.carry_rewrite_bytes`); ``widened`` a stored start's
+    leaves as the step casts them wider (`StaticPlan.widened_bytes`)."""
 
     carry: int
     residual: int
@@ -94,6 +95,7 @@ class _Sizes:
     start: int
     carry_rewrite: int = 0
     residual_rewrite: int = 0
+    widened: int = 0
 
     @property
     def summed_in_place(self) -> int:
@@ -292,8 +294,9 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
         for avals in (body.carry_avals, spec.stored)
     ]
     return _Sizes(
-        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start, *rewrite
-    )
+        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start,
+        *rewrite, profile.widened,
+    )  # fmt: skip
 
 
 def _static_budget(budget: int | Bytes, slots: int, sizes: _Sizes):
@@ -325,6 +328,7 @@ def _plan_bytes(sizes: _Sizes, stored_only: bool = False) -> dict[str, int]:
         "piece_bytes": sizes.piece,
         "loop_bytes": sizes.loop,
         "start_bytes": sizes.start,
+        "widened_bytes": sizes.widened,
     }
 
 

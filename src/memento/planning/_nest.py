@@ -65,6 +65,9 @@ class StaticPlan:
         carry_rewrite_bytes, residual_rewrite_bytes: of a carry and of an internal
             state, the bytes in leaves whose stack a backend copies whole at each store
             into it (bfloat16 on CPU, see `LoopCosts.rewrite`): time, not memory.
+        widened_bytes: what a stored outer start takes again, cast wider, while its
+            nest is back-propagated: the leaves a step casts to a wider dtype, which XLA
+            may cast for the whole stack at once, out of the backward loop.
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -78,6 +81,7 @@ class StaticPlan:
     start_bytes: int | None = None
     carry_rewrite_bytes: int = 0
     residual_rewrite_bytes: int = 0
+    widened_bytes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -108,8 +112,9 @@ class StaticPlan:
         for p, kept, own in zip(self.pieces, stored, refills):
             if len(p) > 1:
                 # A segment run again streams its slice of the cotangents; each level
-                # beyond the second adds its loops' state.
+                # beyond the second adds its loops' state; the outer starts, cast wider.
                 extra = p[-1] * self.stream_bytes + (len(p) - 2) * self.level_bytes
+                extra += p[0] * self.widened_bytes
                 apart = sum(refills) - own
                 peak = max(peak, held + _piece_peak(p, c, r, c1) + extra + apart)
             held += kept
@@ -353,7 +358,7 @@ def _candidates(num_steps: int, depth: int, c: int, r: int) -> list[tuple[int, .
         out.update((int(n),) for n in np.unique(np.geomspace(1, num_steps, 40).astype(int)))
         # Divisors near the balanced length: one nest, no remainder (the fewest loops).
         balanced = math.sqrt(num_steps * ratio)
-        out.update((d,) for d in _divisors(num_steps) if balanced / 4 <= d <= balanced * 4)
+        out.update((d,) for d in _near_divisors(num_steps, balanced, 4))
     return sorted(out)
 
 
@@ -364,9 +369,8 @@ def _exact_mids(num_steps: int, mids: tuple[int, ...], inner_len: int) -> list[t
     if not mids or num_steps % inner_len:
         return []
     outer = num_steps // inner_len
-    near = [
-        [d for d in _divisors(outer) if k / 2 <= d <= k * 2] for k in mids
-    ]  # each level's divisors of the segments' count near its balanced size
+    # Each level's divisors of the segments' count near its balanced size.
+    near = [_near_divisors(outer, k, 2) for k in mids]
     out = []
     for combo in itertools.product(*near):
         if outer % math.prod(combo) == 0:
@@ -374,13 +378,18 @@ def _exact_mids(num_steps: int, mids: tuple[int, ...], inner_len: int) -> list[t
     return out
 
 
+def _near_divisors(n: int, k: float, factor: float) -> list[int]:
+    """The divisors of ``n`` within ``factor`` of ``k``."""
+    return [d for d in _divisors(n) if k / factor <= d <= k * factor]
+
+
 @functools.lru_cache(maxsize=256)
-def _divisors(n: int) -> list[int]:
+def _divisors(n: int) -> tuple[int, ...]:
     """The divisors of ``n`` (none past 10^10 steps: the search takes sqrt(n) tries)."""
     if n > 10**10:
-        return []
+        return ()
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in small]
+    return (*small, *(n // d for d in small))
 
 
 def plan_static(
@@ -397,6 +406,7 @@ def plan_static(
     start_bytes: int | None = None,
     carry_rewrite_bytes: int = 0,
     residual_rewrite_bytes: int = 0,
+    widened_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
     seconds: Callable[[StaticPlan], float] | None = None,
@@ -421,7 +431,7 @@ def plan_static(
     c1 = c if start_bytes is None else int(start_bytes)
     sizes = (
         c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes), c1,
-        int(carry_rewrite_bytes), int(residual_rewrite_bytes),
+        int(carry_rewrite_bytes), int(residual_rewrite_bytes), int(widened_bytes),
     )  # fmt: skip
     best: StaticPlan | None = None
 
