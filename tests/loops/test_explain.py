@@ -141,6 +141,38 @@ def test_at_checkpoint_per_steps_bytes_auto_runs_that_idiom_within_them():
     assert 0 < compiled - plan.program_bytes <= 450, (compiled, plan.program_bytes)
 
 
+def test_at_checkpoint_per_steps_bytes_an_attention_step_runs_that_idiom():
+    # A step reading a weight and its transpose (attention over fixed keys): the
+    # pullback's transpose of the weight is folded into the product that reads it, never
+    # an array, and is not counted: at exactly the idiom's bytes, auto runs the idiom, in
+    # them, exactly.
+    num_steps = 1000
+    m = jax.random.normal(jax.random.PRNGKey(3), (16, 32)) / 4
+    xs = 0.1 * jax.random.normal(jax.random.PRNGKey(4), (num_steps, 32))
+
+    def loss(m, xs, run):
+        def step(h, x):
+            a = jax.nn.softmax(m @ h)
+            return jnp.tanh(m.T @ a + x), jnp.sum(a * a)
+
+        h, ys = run(step, jnp.zeros_like(xs[0]), xs)
+        return jnp.sum(ys) + jnp.sum(h)
+
+    idiom = _temp(
+        jax.grad(functools.partial(loss, run=lambda f, c, x: jax.lax.scan(jax.checkpoint(f), c, x))),
+        m, xs,
+    )  # fmt: skip
+    at = functools.partial(memento.scan, memory=f"{idiom}B")
+    compiled = _temp(jax.grad(functools.partial(loss, run=at)), m, xs)
+    assert compiled == idiom, (compiled, idiom)
+    with jax.enable_x64(True):
+        got = jax.grad(functools.partial(loss, run=at))(m.astype(float), xs.astype(float))
+        want = jax.grad(functools.partial(loss, run=jax.lax.scan))(
+            m.astype(float), xs.astype(float)
+        )
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_a_one_step_segment_stores_only_the_carry_its_step_reads(monkeypatch):
     # A carry of a state and a running sum that no step's derivative reads: a one-step
     # segment's stored start keeps the state alone (XLA drops the rest, as for the

@@ -348,6 +348,48 @@ def test_the_step_profile_tells_the_intermediates_of_the_weights_alone_apart():
     assert plain.varying == plain.largest == vec.nbytes
 
 
+def test_the_step_profile_leaves_out_what_xla_reduces_in_place():
+    # An intermediate that only flows into a reduction through elementwise ops (an outer
+    # product summed) is never an array in XLA's program; one a matrix product reads is.
+    from memento.loops._body import make_body, step_profile
+
+    vec, wide = jnp.ones(8, jnp.float32), jnp.ones(256, jnp.float32)
+    summed = step_profile(
+        make_body(lambda h, x: (jnp.tanh(h + x), jnp.sum(jnp.outer(h, wide))), vec, vec, name="t")
+    )
+    assert summed.largest == summed.varying == vec.nbytes
+    w = jnp.ones((256, 8), jnp.float32)
+    read = step_profile(
+        make_body(
+            lambda h, x: (jnp.tanh(h + x), jnp.sum(jnp.outer(h, wide) @ w)), vec, vec, name="t"
+        )
+    )
+    assert read.largest == 8 * 256 * 4
+
+
+def test_a_reduced_outer_product_leaves_the_budget_to_the_stored_carries():
+    # y = sum(outer(h, v)), 8 KiB that XLA never holds: a 6 KiB budget runs a static nest
+    # within it (the count once took the outer product for the step's working set and
+    # refused anything under 9 KiB), and the gradient is lax.scan's.
+    with jax.enable_x64(True):
+        u = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)) / 3)
+        v = jnp.linspace(-1.0, 1.0, 256)
+        xs = 0.1 * jnp.sin(jnp.arange(3000 * 8.0)).reshape(3000, 8)
+
+        def loss(u, memory):
+            cell = lambda h, x: (jnp.tanh(u @ h + x), jnp.sum(jnp.outer(h, v)))
+            if memory is None:
+                h, ys = lax.scan(cell, jnp.zeros(8), xs)
+            else:
+                h, ys = memento.scan(cell, jnp.zeros(8), xs, memory=memory)
+            return jnp.sum(ys) + jnp.sum(h)
+
+        grad = jax.jit(jax.grad(loss), static_argnums=1)
+        temp = grad.lower(u, "6KiB").compile().memory_analysis().temp_size_in_bytes
+        np.testing.assert_allclose(grad(u, "6KiB"), grad(u, None), rtol=1e-10)
+    assert temp <= 6 * 1024, temp
+
+
 @pytest.mark.parametrize("cast", [jnp.bfloat16, None])
 def test_the_recursion_takes_the_slots_a_byte_budget_holds_beside_large_weights(cast):
     # A weight of 256 KiB (cast to bfloat16, or not): the recursion sums its cotangent

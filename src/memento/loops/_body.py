@@ -417,6 +417,7 @@ def _profile(
     arrays alone."""
     flops, nbytes_, ops, largest, products, matmuls, varying = 0.0, 0.0, 0, 0, 0, 0, 0
     tracked, cast, fixed = set(tracked), set(cast), set(fixed)
+    reduced = _reduced_away(jaxpr)
     for eqn in jaxpr.eqns:
         outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
         ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
@@ -455,12 +456,60 @@ def _profile(
         flops += size
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
-        largest = max([largest, *out_bytes])
+        held = [
+            math.prod(v.aval.shape) * v.aval.dtype.itemsize
+            for v in eqn.outvars
+            if hasattr(v.aval, "shape") and v not in reduced
+        ]
+        largest = max([largest, *held])
         if _of_fixed(eqn, fixed):
             fixed.update(eqn.outvars)
         else:
-            varying = max([varying, *out_bytes])
+            varying = max([varying, *held])
     return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying)
+
+
+# Ops XLA fuses into their consumers, and the reductions that such a chain ends in.
+_ELEMENTWISE = frozenset(
+    {
+        "abs", "add", "and", "broadcast_in_dim", "convert_element_type", "cos", "div", "eq",
+        "erf", "exp", "exp2", "expand_dims", "expm1", "ge", "gt", "integer_pow", "le",
+        "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or",
+        "pow", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "squeeze", "sub",
+        "tan", "tanh",
+    }
+)  # fmt: skip
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"}
+)
+
+
+def _reduced_away(jaxpr) -> set:
+    """The values of ``jaxpr`` that only flow into reductions through elementwise ops
+    (``sum(outer(h, v))``'s outer product, say): made by an elementwise op, and every
+    use a reduction or an elementwise op whose outputs are such values too. XLA computes
+    them inside the reduction's fusion, never as arrays; the step's outputs are arrays."""
+    uses: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                uses.setdefault(v, []).append(eqn)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    away: set = set()
+    for eqn in reversed(jaxpr.eqns):  # each value's uses before the value
+        if eqn.primitive.name not in _ELEMENTWISE:
+            continue
+        for v in eqn.outvars:
+            used = uses.get(v, [])
+            if v not in outs and used and all(_reduces(u, away) for u in used):
+                away.add(v)
+    return away
+
+
+def _reduces(eqn, away: set) -> bool:
+    """Whether ``eqn`` is a reduction, or elementwise with every output in ``away``."""
+    name = eqn.primitive.name
+    return name in _REDUCTIONS or (name in _ELEMENTWISE and all(o in away for o in eqn.outvars))
 
 
 def _product_cotangents(eqn, tracked: set, cast: set) -> int:
@@ -564,6 +613,25 @@ def _invariant_values(spec: ResidualSpec, consts) -> Leaves:
         return []
     picked = [c for c, u in zip(consts, spec.invariant_consts) if u]
     return jax_core.eval_jaxpr(spec.invariant.jaxpr, spec.invariant.consts, *picked)
+
+
+def recomputed_bytes(spec: ResidualSpec) -> int:
+    """Bytes of the residuals a pullback computes again from the consts (``invariant``),
+    but for a const's transpose: XLA folds a transpose into the op that reads it (a
+    matrix product's dimension numbers, a fusion's indexing), never an array of its own."""
+    if spec.invariant is None:
+        return 0
+    jaxpr = spec.invariant.jaxpr
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    total = 0
+    for out in jaxpr.outvars:
+        eqn = made.get(out)
+        folded = eqn is not None and eqn.primitive.name == "transpose"
+        if folded and not isinstance(eqn.invars[0], jex_core.Literal):
+            folded = eqn.invars[0] not in made  # a const as it is
+        if not folded:
+            total += math.prod(out.aval.shape) * out.aval.dtype.itemsize
+    return total
 
 
 def _live(jaxpr):

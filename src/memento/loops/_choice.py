@@ -31,7 +31,7 @@ from ..planning.internals import (
     recursion_min_steps,
     step_seconds,
 )
-from ._body import Body, ResidualSpec, StepProfile, nbytes, split, step_profile
+from ._body import Body, ResidualSpec, StepProfile, nbytes, recomputed_bytes, split, step_profile
 from ._budget import Bytes, Percent, choose_policy, choose_schedule, internal_slots, to_slots
 from ._interpreter import Program, compile_schedule, pool_bytes
 from ._pool import checks_enabled, varying
@@ -274,13 +274,14 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     stream = nbytes(split(body.y_avals, body.y_mask)[0])
     consts = nbytes([jax.typeof(k) for k in split(body.consts, body.const_mask)[0]])
     # The residuals computed again from the consts where a pullback is rebuilt.
-    again = nbytes(spec.invariant.out_avals) if spec.invariant is not None else 0
+    again = recomputed_bytes(spec)
     # One step's VJP in flight: its carry, an x, its internal state or its largest
     # intermediate, whichever is larger (the largest is most often one of the residuals),
     # the weights' cotangents it computes as matrix products before adding them up; and
     # the closed-over arrays' cotangents. An intermediate of the consts alone is one of
-    # the residuals ``again`` counts, if there are any.
-    largest = profile.varying if again else profile.largest
+    # the residuals computed again, where there are any (``again`` counts those that XLA
+    # holds as arrays).
+    largest = profile.varying if spec.invariant is not None else profile.largest
     loop = max(0, _CONTROL_BYTES - largest)
     working = carry + xs + max(residual, largest) + loop + profile.products + again
     # A level beyond the second: the counters and indices of its loops.
