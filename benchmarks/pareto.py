@@ -312,6 +312,80 @@ def _conv_inputs(num_steps):
     return kernel, jnp.zeros((8, 128)), 0.1 * jax.random.normal(k[1], (num_steps, 8, 128))
 
 
+def _attention(p, h, x):
+    """Attention over fixed keys: the step reads a weight and its transpose."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.nn.softmax(p["M"] @ h)
+    h = jnp.tanh(p["M"].T @ a + x)
+    return h, jnp.sum(a * a)
+
+
+def _attention_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(11), 2)
+    params = {"M": jax.random.normal(k[0], (16, 32)) / 4}
+    return params, jnp.zeros(32), 0.1 * jax.random.normal(k[1], (num_steps, 32))
+
+
+def _wide_input(p, h, x):
+    """A small state driven by a wide input: the step's cost is the input's product."""
+    import jax.numpy as jnp
+
+    h = jnp.tanh(p["W"] @ x + p["U"] @ h)
+    return h, h[0]
+
+
+def _wide_input_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(13), 3)
+    params = {
+        "W": jax.random.normal(k[0], (8, 512)) / 24,
+        "U": jax.random.normal(k[1], (8, 8)) / 3,
+    }
+    return params, jnp.zeros(8), jax.random.normal(k[2], (num_steps, 512))
+
+
+def _readout(p, h, x):
+    """A small state whose output is a wide outer product, summed."""
+    import jax.numpy as jnp
+
+    h = jnp.tanh(p["U"] @ h + x)
+    return h, jnp.sum(jnp.outer(h, p["v"]))
+
+
+def _readout_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(14), 3)
+    params = {"U": jax.random.normal(k[0], (8, 8)) / 3, "v": jax.random.normal(k[1], (256,))}
+    return params, jnp.zeros(8), 0.1 * jax.random.normal(k[2], (num_steps, 8))
+
+
+def _bf16_state(p, h, x):
+    """A bfloat16 state, computed in float32."""
+    import jax.numpy as jnp
+
+    h = jnp.tanh(p["w"] * h.astype(jnp.float32) + x).astype(jnp.bfloat16)
+    return h, jnp.mean(h.astype(jnp.float32))
+
+
+def _bf16_state_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(16), 2)
+    params = {"w": 0.9 + 0.05 * jax.random.normal(k[0], (512,))}
+    xs = 0.1 * jax.random.normal(k[1], (num_steps, 512))
+    return params, jnp.zeros(512, jnp.bfloat16), xs
+
+
 BODIES = {
     b.name: b
     for b in (
@@ -330,6 +404,10 @@ BODIES = {
         Body("mixed256", "`tanh(s * (W @ h) + x)`, W @ h in bfloat16", _mixed, _mixed_inputs),
         Body("counter16", "16 floats and an integer counter", _counter, _counter_inputs),
         Body("conv8x128", "a convolution, 8 channels of 128", _conv, _conv_inputs),
+        Body("attn32", "attention over 16 fixed keys, 32 floats", _attention, _attention_inputs),
+        Body("bigx8", "8 floats driven by 512-float inputs", _wide_input, _wide_input_inputs),
+        Body("ysbig8", "8 floats, a 256-wide outer product summed", _readout, _readout_inputs),
+        Body("bf16c512", "a bfloat16 state of 512", _bf16_state, _bf16_state_inputs),
     )
 }
 
@@ -397,7 +475,7 @@ def equinox_scan(step, init, xs, checkpoints: int):
         i, carry, total = state
         x = jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), xs)
         carry, y = step(carry, x)
-        return i + 1, carry, total + y
+        return i + 1, carry, total + sum(jnp.sum(a) for a in jax.tree_util.tree_leaves(y))
 
     _, carry, total = eqxi.while_loop(
         lambda state: state[0] < num_steps,

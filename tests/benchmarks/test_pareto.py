@@ -104,8 +104,13 @@ def test_every_body_runs_and_mementos_gradient_is_lax_scans(name):
     # budget of a few slots, the same gradient (float32). The bfloat16 product's is
     # rounded in another order (lax.scan sums the steps' weight cotangents in bfloat16,
     # memento casts each step's back to float32): each is about 8e-3 from the float64
-    # gradient of the cell without the casts, so they agree to bfloat16's precision.
-    tol = dict(rtol=0.0, atol=1.6e-2) if name == "mixed256" else dict(rtol=1e-4, atol=1e-5)
+    # gradient of the cell without the casts, so they agree to bfloat16's precision. So
+    # does the bfloat16 state's, whose cotangent is rounded to bfloat16 at every step: a
+    # last-bit difference in a step's float32 pullback moves it by bfloat16's precision
+    # (lax.scan is 6e-3 from that float64 gradient, memento's recursion 7e-3, the same
+    # loop unrolled in Python 1.2e-2).
+    bf16 = name in ("mixed256", "bf16c512")
+    tol = dict(rtol=0.0, atol=1.6e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
     body = pareto.BODIES[name]
     args = body.make(8)
     want = jax.grad(pareto.loss_of(body.cell, pareto.peer_runs(8)["lax.scan"]))(*args)
