@@ -104,11 +104,12 @@ class StaticPlan:
         nests = sum(len(p) > 1 for p in self.pieces)
         stored = [_piece_stored(p, c, r + self.whole_bytes, c1) for p in self.pieces]
         held = max(0, nests - 1) * self.piece_bytes
-        peak = held + sum(stored)
         # The buffers a nest refills with its inner levels' starts: XLA was seen to keep
         # every nest's apart from the others', so a nest's backward runs beside the
-        # others' too.
+        # others' too; and to allocate them before the pieces after the nests are
+        # back-propagated, beside all that the forward pass stored.
         refills = [_piece_refills(p, c, c1) for p in self.pieces]
+        peak = held + sum(stored) + sum(refills)
         for p, kept, own in zip(self.pieces, stored, refills):
             if len(p) > 1:
                 # A segment run again streams its slice of the cotangents; each level
