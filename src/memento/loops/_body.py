@@ -105,11 +105,11 @@ class ResidualSpec:
     treedef: Any
     source: tuple[tuple[str, int], ...]
     stored: tuple[jax.ShapeDtypeStruct, ...]
+    forward: Any
     captured: tuple[Any, ...] = ()
     reads: tuple[bool, ...] | None = None
     invariant: Any = None
     invariant_consts: tuple[bool, ...] = ()
-    forward: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -319,11 +319,11 @@ class Body:
             kept = [o for o, f in zip(outvars[head:], fixed) if not f]
             traced = traced.replace(jaxpr=traced.jaxpr.replace(outvars=outvars[:head] + kept))
             closed = closed.replace(jaxpr=closed.jaxpr.replace(outvars=kept))
-        spec = ResidualSpec(
-            found["treedef"], source, stored, found["captured"],
-            invariant=invariant, invariant_consts=consts_used, forward=traced,
+        return ResidualSpec(
+            found["treedef"], source, stored, traced, found["captured"],
+            reads=_reads(closed, len(self.consts), self.carry_avals),
+            invariant=invariant, invariant_consts=consts_used,
         )  # fmt: skip
-        return dataclasses.replace(spec, reads=_reads(closed, len(self.consts), self.carry_avals))
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``:
