@@ -469,7 +469,9 @@ def _profile(
     return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying)
 
 
-# Ops XLA fuses into their consumers, and the reductions that such a chain ends in.
+# Ops XLA fuses into their consumers, and the reductions that such a chain ends in: a sum
+# only, whose derivative does not read its operand (a max's compares the operand with the
+# result, so the step that keeps residuals holds the operand whole).
 _ELEMENTWISE = frozenset(
     {
         "abs", "add", "and", "broadcast_in_dim", "convert_element_type", "cos", "div", "eq",
@@ -479,9 +481,7 @@ _ELEMENTWISE = frozenset(
         "tan", "tanh",
     }
 )  # fmt: skip
-_REDUCTIONS = frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"}
-)
+_REDUCTIONS = frozenset({"reduce_sum"})
 
 
 def _reduced_away(jaxpr) -> set:
