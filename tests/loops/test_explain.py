@@ -141,6 +141,16 @@ def test_at_checkpoint_per_steps_bytes_auto_runs_that_idiom_within_them():
     assert 0 < compiled - plan.program_bytes <= 450, (compiled, plan.program_bytes)
 
 
+def _at_the_idioms_bytes(loss, *args):
+    """``(compiled, idiom, at)``: the temp bytes of the gradient of ``loss(*args, run)``
+    with ``memento.scan`` at exactly the bytes of ``lax.scan(jax.checkpoint(step))``
+    (``at``, that scan), and with the idiom."""
+    per_step = lambda f, c, x: jax.lax.scan(jax.checkpoint(f), c, x)
+    idiom = _temp(jax.grad(functools.partial(loss, run=per_step)), *args)
+    at = functools.partial(memento.scan, memory=f"{idiom}B")
+    return _temp(jax.grad(functools.partial(loss, run=at)), *args), idiom, at
+
+
 def test_at_checkpoint_per_steps_bytes_an_attention_step_runs_that_idiom():
     # A step reading a weight and its transpose (attention over fixed keys): the
     # pullback's transpose of the weight is folded into the product that reads it, never
@@ -158,12 +168,7 @@ def test_at_checkpoint_per_steps_bytes_an_attention_step_runs_that_idiom():
         h, ys = run(step, jnp.zeros_like(xs[0]), xs)
         return jnp.sum(ys) + jnp.sum(h)
 
-    idiom = _temp(
-        jax.grad(functools.partial(loss, run=lambda f, c, x: jax.lax.scan(jax.checkpoint(f), c, x))),
-        m, xs,
-    )  # fmt: skip
-    at = functools.partial(memento.scan, memory=f"{idiom}B")
-    compiled = _temp(jax.grad(functools.partial(loss, run=at)), m, xs)
+    compiled, idiom, at = _at_the_idioms_bytes(loss, m, xs)
     assert compiled == idiom, (compiled, idiom)
     with jax.enable_x64(True):
         got = jax.grad(functools.partial(loss, run=at))(m.astype(float), xs.astype(float))
@@ -233,12 +238,7 @@ def test_at_checkpoint_per_steps_bytes_a_state_and_its_velocity_run_that_idiom()
         c, ys = run(step, init, xs)
         return jnp.sum(ys) + jnp.sum(c["h"])
 
-    idiom = _temp(
-        jax.grad(functools.partial(loss, run=lambda f, c, x: jax.lax.scan(jax.checkpoint(f), c, x))),
-        w, xs,
-    )  # fmt: skip
-    at = functools.partial(memento.scan, memory=f"{idiom}B")
-    compiled = _temp(jax.grad(functools.partial(loss, run=at)), w, xs)
+    compiled, idiom, at = _at_the_idioms_bytes(loss, w, xs)
     assert compiled == idiom, (compiled, idiom)
     with jax.enable_x64(True):
         w64, xs64 = w.astype(jnp.float64), xs.astype(jnp.float64)

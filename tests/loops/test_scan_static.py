@@ -143,6 +143,23 @@ def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share)
             assert temp <= budget * 1.05 + 4096, (executor, temp, budget)
 
 
+def _force_plan(monkeypatch, pieces):
+    """Makes the static planner return ``pieces``, sized as it was asked."""
+    from memento.planning.internals import StaticPlan
+
+    monkeypatch.setattr(
+        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
+            k: v for k, v in kw.items() if k.endswith("_bytes")
+        })
+    )  # fmt: skip
+
+
+def _assert_counted_closely(compiled: int, count: int):
+    """The plan's count is at least what XLA compiled it to, and not far above."""
+    assert compiled <= count + 512, (compiled, count)
+    assert count <= 1.35 * compiled + 1024, (compiled, count)
+
+
 @pytest.mark.parametrize("width", [4, 64])
 @pytest.mark.parametrize(
     "pieces",
@@ -154,13 +171,7 @@ def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, wid
     # XLA compiles it to, and not far above: nests of three to four levels, several
     # nests one after another (each keeps its refilled starts apart), and a nest beside
     # steps stored whole.
-    from memento.planning.internals import StaticPlan
-
-    monkeypatch.setattr(
-        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
-            k: v for k, v in kw.items() if k.endswith("_bytes")
-        })
-    )  # fmt: skip
+    _force_plan(monkeypatch, pieces)
     with jax.enable_x64(False):
         w = jnp.eye(width) * 0.5
         h0, xs = jnp.zeros(width), jnp.ones((1000, width)) * 0.1
@@ -168,8 +179,7 @@ def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, wid
         count = memento.explain(cell, h0, xs, memory="1GiB", executor="static").program_bytes
         f = jax.grad(functools.partial(_cell_loss, h0=h0, memory="1GiB"))
         compiled = _temp(f, w, xs)
-    assert compiled <= count + 512, (compiled, count)
-    assert count <= 1.35 * compiled + 1024, (compiled, count)
+    _assert_counted_closely(compiled, count)
 
 
 @pytest.mark.parametrize("pieces", [((4, 40, 6), (40,)), ((10, 11, 9), (10,))])
@@ -177,13 +187,7 @@ def test_a_nest_before_steps_stored_whole_counts_its_refills_from_the_start(monk
     # A leapfrog step (a position and a velocity) in a three-level nest and then steps
     # stored whole: XLA allocates the nest's refilled starts before it back-propagates
     # the steps stored whole, beside all the forward pass stored; the count holds that.
-    from memento.planning.internals import StaticPlan
-
-    monkeypatch.setattr(
-        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
-            k: v for k, v in kw.items() if k.endswith("_bytes")
-        })
-    )  # fmt: skip
+    _force_plan(monkeypatch, pieces)
     with jax.enable_x64(False):
         k = 1 + 0.1 * jnp.sin(jnp.arange(128.0))
         xs = 0.1 * jnp.cos(jnp.arange(1000 * 128.0)).reshape(1000, 128)
@@ -203,21 +207,14 @@ def test_a_nest_before_steps_stored_whole_counts_its_refills_from_the_start(monk
             functools.partial(cell, k=k), init, xs, memory="1GiB", executor="static"
         ).program_bytes
         compiled = _temp(jax.grad(loss), k)
-    assert compiled <= count + 512, (compiled, count)
-    assert count <= 1.35 * compiled + 1024, (compiled, count)
+    _assert_counted_closely(compiled, count)
 
 
 @pytest.mark.parametrize("pieces", [((40, 25),), ((10, 10, 10),), ((1000, 1),)])
 def test_a_carry_cast_wider_counts_its_stack_of_starts_cast(monkeypatch, pieces):
     # A bfloat16 carry that the step casts to float32: XLA casts a nest's whole stack of
     # outer starts before its backward loop, and the count holds that copy too.
-    from memento.planning.internals import StaticPlan
-
-    monkeypatch.setattr(
-        _choice, "plan_static", lambda n, b, **kw: StaticPlan(pieces, **{
-            k: v for k, v in kw.items() if k.endswith("_bytes")
-        })
-    )  # fmt: skip
+    _force_plan(monkeypatch, pieces)
     with jax.enable_x64(False):
         w = jnp.linspace(0.5, 0.9, 512)
         h0, xs = jnp.zeros(512, jnp.bfloat16), jnp.ones((1000, 512)) * 0.1
@@ -235,8 +232,7 @@ def test_a_carry_cast_wider_counts_its_stack_of_starts_cast(monkeypatch, pieces)
         plan = memento.explain(cell_w(w), h0, xs, memory="1GiB", executor="static")
         compiled = _temp(jax.grad(loss), w, xs)
     assert str([list(p) for p in pieces]) in plan.why, plan.why
-    assert compiled <= plan.program_bytes + 512, (compiled, plan.program_bytes)
-    assert plan.program_bytes <= 1.35 * compiled + 1024, (compiled, plan.program_bytes)
+    _assert_counted_closely(compiled, plan.program_bytes)
 
 
 def _elementwise_loss(w, xs, h0=None, memory=None, executor="auto"):
