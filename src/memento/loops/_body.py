@@ -400,10 +400,11 @@ def step_profile(body: Body) -> StepProfile:
     carry = set(body.jaxpr.invars[: len(body.carry_avals)])
     widened = {}
     for eqn in body.jaxpr.eqns:
-        (v,) = eqn.invars if eqn.primitive.name == "convert_element_type" else (None,)
-        if _in(v, carry) and eqn.params["new_dtype"].itemsize > v.aval.dtype.itemsize:
-            out = eqn.outvars[0].aval
-            widened[v] = max(widened.get(v, 0), math.prod(out.shape) * out.dtype.itemsize)
+        if eqn.primitive.name != "convert_element_type" or not _in(eqn.invars[0], carry):
+            continue
+        v, out = eqn.invars[0], eqn.outvars[0].aval
+        if out.dtype.itemsize > v.aval.dtype.itemsize:
+            widened[v] = max(widened.get(v, 0), nbytes([out]))
     return dataclasses.replace(profile, widened=sum(widened.values()))
 
 
@@ -419,7 +420,8 @@ def _profile(
     tracked, cast, fixed = set(tracked), set(cast), set(fixed)
     reduced = _reduced_away(jaxpr)
     for eqn in jaxpr.eqns:
-        outs = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape")]
+        shaped = [v for v in eqn.outvars if hasattr(v.aval, "shape")]
+        outs = [v.aval for v in shaped]
         ins = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
         inner = [p for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", p), "eqns")]
         if inner:
@@ -456,11 +458,7 @@ def _profile(
         flops += size
         nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
         ops += 1
-        held = [
-            math.prod(v.aval.shape) * v.aval.dtype.itemsize
-            for v in eqn.outvars
-            if hasattr(v.aval, "shape") and v not in reduced
-        ]
+        held = [b for v, b in zip(shaped, out_bytes) if v not in reduced]
         largest = max([largest, *held])
         if _of_fixed(eqn, fixed):
             fixed.update(eqn.outvars)
@@ -623,15 +621,14 @@ def recomputed_bytes(spec: ResidualSpec) -> int:
         return 0
     jaxpr = spec.invariant.jaxpr
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    total = 0
-    for out in jaxpr.outvars:
+
+    def folded(out) -> bool:  # a transpose of a const as it is
         eqn = made.get(out)
-        folded = eqn is not None and eqn.primitive.name == "transpose"
-        if folded and not isinstance(eqn.invars[0], jex_core.Literal):
-            folded = eqn.invars[0] not in made  # a const as it is
-        if not folded:
-            total += math.prod(out.aval.shape) * out.aval.dtype.itemsize
-    return total
+        return (
+            eqn is not None and eqn.primitive.name == "transpose" and not _in(eqn.invars[0], made)
+        )
+
+    return nbytes([out.aval for out in jaxpr.outvars if not folded(out)])
 
 
 def _live(jaxpr):

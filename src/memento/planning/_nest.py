@@ -109,14 +109,15 @@ class StaticPlan:
         # others' too; and to allocate them before the pieces after the nests are
         # back-propagated, beside all that the forward pass stored.
         refills = [_piece_refills(p, c, c1) for p in self.pieces]
-        peak = held + sum(stored) + sum(refills)
+        all_refills = sum(refills)
+        peak = held + sum(stored) + all_refills
         for p, kept, own in zip(self.pieces, stored, refills):
             if len(p) > 1:
                 # A segment run again streams its slice of the cotangents; each level
                 # beyond the second adds its loops' state; the outer starts, cast wider.
                 extra = p[-1] * self.stream_bytes + (len(p) - 2) * self.level_bytes
                 extra += p[0] * self.widened_bytes
-                apart = sum(refills) - own
+                apart = all_refills - own
                 peak = max(peak, held + _piece_peak(p, c, r, c1) + extra + apart)
             held += kept
         return peak + (self.loop_bytes if self.inner_loops else 0)
