@@ -630,7 +630,9 @@ def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict
         entry, compiled = memento_at(body, args, label, peers, args_.executors, support, cap)
         budgets.append(entry)
         methods |= compiled
-    reference, errors = check_gradients(f"{body.name} T={num_steps}", peers, methods)
+    reference, errors = check_gradients(
+        f"{body.name} T={num_steps}", peers, methods, args_.keep_going
+    )
 
     calls = {n: m.call for n, m in methods.items() if m.call is not None}
     times = (
@@ -705,9 +707,12 @@ def memento_at(
     return entry, compiled
 
 
-def check_gradients(where: str, peers: dict, methods: dict) -> tuple[str | None, dict]:
+def check_gradients(
+    where: str, peers: dict, methods: dict, keep_going: bool = False
+) -> tuple[str | None, dict]:
     """Every gradient that ran against lax.scan's (or, past the memory cap, the first peer
-    that ran); raises AssertionError on a mismatch.
+    that ran); raises AssertionError on a mismatch, unless ``keep_going``: then the
+    mismatch is logged and its error recorded as ``None`` (the method fails).
 
     Returns:
         The reference's name and each method's largest relative error.
@@ -716,11 +721,17 @@ def check_gradients(where: str, peers: dict, methods: dict) -> tuple[str | None,
     if not ran:
         return None, {}
     reference = methods[ran[0]].grad
-    errors = {
-        name: check_gradient(f"{where}: {name} against {ran[0]}", m.grad, reference)
-        for name, m in methods.items()
-        if m.grad is not None
-    }
+    errors = {}
+    for name, m in methods.items():
+        if m.grad is None:
+            continue
+        try:
+            errors[name] = check_gradient(f"{where}: {name} against {ran[0]}", m.grad, reference)
+        except AssertionError as e:
+            if not keep_going:
+                raise
+            errors[name] = None
+            _log(f"  GRADIENT MISMATCH {e}")
     return ran[0], errors
 
 
@@ -738,10 +749,11 @@ def score(record: dict, entry: dict, methods: dict, seconds: dict, errors: dict)
         time_ratio=ratio,
         compile_s=m.compile_s,
         grad_error=errors.get(key),
+        grad_ok=key not in errors or errors[key] is not None,
         temp_ok=within_bytes(m.temp_bytes, budget),
         time_ok=None if ratio is None else ratio <= entry["time_target"],
     )
-    record["pass"] = bool(record["temp_ok"] and record["time_ok"])
+    record["pass"] = bool(record["grad_ok"] and record["temp_ok"] and record["time_ok"])
 
 
 def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
@@ -776,6 +788,14 @@ def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
         rec["vs_lax_scan"] = rec["first_s"] / base
     out["memento_ok"] = out["methods"]["memento auto"]["vs_lax_scan"] <= 2.0
     return out
+
+
+def jax_matmul_precision() -> str | None:
+    """JAX's default matrix-product precision (``None``: the backend's own; on NVIDIA GPUs
+    that rounds float32 operands to TF32)."""
+    import jax
+
+    return jax.config.jax_default_matmul_precision
 
 
 def _clear_memento_caches() -> None:
@@ -836,7 +856,7 @@ def _cell(record: dict | None) -> str:
         return "not measured"
     if record["status"] != "ok":
         return record["status"]
-    missed = [what for what in ("temp", "time") if record[f"{what}_ok"] is False]
+    missed = [what for what in ("grad", "temp", "time") if record.get(f"{what}_ok") is False]
     mark = f"FAIL {' and '.join(missed)}" if missed else ("pass" if record["pass"] else "?")
     return f"{_ratio(record['temp_over_budget'])}, {_ratio(record['time_ratio'])} {mark}"
 
@@ -871,9 +891,14 @@ def markdown(data: dict) -> str:
     """The results as markdown tables: the headline (memento auto), one per budget with
     every executor, the peers, then first calls."""
     results = data["results"]
+    machine = data["machine"]
+    where = (
+        f"CPU: {machine.get('processor')}"
+        if machine.get("backend", "cpu") == "cpu"
+        else f"{machine['backend'].upper()}: {', '.join(machine['devices'])}"
+    )
     lines = [
-        f"CPU: {data['machine'].get('processor')}; jax {data['machine'].get('jax')}; "
-        f"{data['settings']['rounds']} rounds; {data['date']}.",
+        f"{where}; jax {machine.get('jax')}; {data['settings']['rounds']} rounds; {data['date']}.",
         "",
     ]
     lines += headline(results)
@@ -963,6 +988,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--first-call", action="store_true", help="also time first calls at --first-call-steps"
     )
     parser.add_argument("--first-call-steps", default="1e6")
+    parser.add_argument("--first-call-rounds", type=int, default=3)
     parser.add_argument(
         "--first-call-bodies",
         default="tanh4",
@@ -978,6 +1004,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument(
         "--markdown", metavar="JSON", help="print the tables of an existing JSON and exit"
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="record a gradient mismatch (the method fails) instead of stopping",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -1002,43 +1033,51 @@ def main(argv: Sequence[str] | None = None) -> dict:
     support = executor_support()
     _log(f"executors: {support}")
     load_before = os.getloadavg()
-    results = []
+    results: list[dict] = []
+    firsts: list[dict] = []
+    machine = _common.machine()
+
+    def snapshot() -> dict:
+        return {
+            "benchmark": "pareto",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": machine,
+            "cpu_model": machine["processor"],
+            "jax": machine["jax"],
+            "settings": {
+                "steps": args.steps,
+                "bodies": args.bodies,
+                "rounds": args.rounds,
+                "min_round_s": args.min_round_s,
+                "executors": args.executors,
+                "max_run_bytes": args.max_run_bytes,
+                "threads": args.threads,
+                "bytes_slack": list(BYTES_SLACK),
+                "gradient_rtol": RTOL,
+                "matmul_precision": jax_matmul_precision(),
+            },
+            # The machine's 1-minute load average when the run began and ended: time
+            # ratios of millisecond calls are steady only on a quiet machine.
+            "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "executors": {e: ("supported" if ok else "unsupported") for e, ok in support.items()},
+            "summary": summary(results),
+            "results": results,
+            "first_call": firsts,
+        }
+
+    # Written after every body too: a run stopped part way keeps what it measured.
     for num_steps in [int(float(s)) for s in args.steps.split(",")]:
         for name in args.bodies.split(","):
             _log(f"{name}, T={num_steps}")
             results.append(measure(BODIES[name], num_steps, args, support))
-    firsts = []
+            _common.write_json(args.out, snapshot())
     if args.first_call:
         for num_steps in [int(float(s)) for s in args.first_call_steps.split(",")]:
             for name in args.first_call_bodies.split(","):
                 _log(f"first call: {name}, T={num_steps}")
-                firsts.append(first_calls(BODIES[name], num_steps, min(args.rounds, 3)))
-    machine = _common.machine()
-    data = {
-        "benchmark": "pareto",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine,
-        "cpu_model": machine["processor"],
-        "jax": machine["jax"],
-        "settings": {
-            "steps": args.steps,
-            "bodies": args.bodies,
-            "rounds": args.rounds,
-            "min_round_s": args.min_round_s,
-            "executors": args.executors,
-            "max_run_bytes": args.max_run_bytes,
-            "threads": args.threads,
-            "bytes_slack": list(BYTES_SLACK),
-            "gradient_rtol": RTOL,
-        },
-        # The machine's 1-minute load average when the run began and ended: time ratios
-        # of millisecond calls are steady only on a quiet machine.
-        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "executors": {e: ("supported" if ok else "unsupported") for e, ok in support.items()},
-        "summary": summary(results),
-        "results": results,
-        "first_call": firsts,
-    }
+                firsts.append(first_calls(BODIES[name], num_steps, args.first_call_rounds))
+                _common.write_json(args.out, snapshot())
+    data = snapshot()
     path = _common.write_json(args.out, data)
     print(markdown(data), end="")
     _log(f"wrote {path}")
