@@ -119,3 +119,17 @@ def test_every_body_runs_and_mementos_gradient_is_lax_scans(name):
     )
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, **tol)
+
+
+def test_keep_going_records_a_mismatch_and_fails_the_method():
+    good = {"W": np.ones((2, 2), np.float32)}
+    peers = {"lax.scan": pareto.Method(temp_bytes=0, compile_s=0.0, grad=good)}
+    wrong = pareto.Method(temp_bytes=0, compile_s=0.0, grad={"W": good["W"] * 1.01})
+    methods = {**peers, "memento auto @ x": wrong}
+    with pytest.raises(AssertionError):
+        pareto.check_gradients("here", peers, methods)
+    reference, errors, mismatched = pareto.check_gradients("here", peers, methods, keep_going=True)
+    assert reference == "lax.scan" and mismatched == {"memento auto @ x"}
+    assert errors["memento auto @ x"] == pytest.approx(0.01)
+    # A bfloat16 body's tolerance admits it.
+    assert pareto.check_gradients("here", peers, methods, rtol=pareto.BF16_RTOL)[2] == set()
