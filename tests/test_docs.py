@@ -140,6 +140,21 @@ def test_readme_headline_table_is_results_pareto_json():
         assert line in readme, line
 
 
+def test_benchmarks_gpu_table_is_results_gpu_pareto_jsons():
+    # "On a GPU": pareto.py's headline rows of the H200 run, rendered from its results.
+    import pareto
+
+    results = []
+    for name in ("pareto", "pareto_more", "pareto_more_2"):
+        path = ROOT / "benchmarks/results/gpu/2026-11-30" / f"{name}.json"
+        results += json.loads(path.read_text())["results"]
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [line for line in pareto.headline(results) if line.startswith("| ")]
+    assert len(rows) == 13
+    for line in rows:
+        assert line in page, line
+
+
 def test_jax_guide_long_loop_table_is_results_long_json():
     results = json.loads((ROOT / "benchmarks/results/long.json").read_text())
     rows = {(r["method"], r["T"]): r for r in results["results"]}
