@@ -138,6 +138,17 @@ def x64():
 
 
 @pytest.fixture
+def on_cpu():
+    """The test's loops on the CPU device, whatever the default backend: it checks plans
+    or compiled bytes against XLA:CPU's buffer assignment, which byte budgets are counted
+    with (on a GPU they can be exceeded; see the Limitations page)."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture
 def expanded_jaxpr():
     """``expanded_jaxpr(f, *args)``: the text of ``jax.make_jaxpr(f)(*args)`` followed by
     the programs of memento's linear loop primitive (the tangent map, the backward pass,

@@ -46,6 +46,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("num_steps,memory,asked,runs", CASES)
 def test_the_plan_is_what_the_gradient_runs(x64, num_steps, memory, asked, runs):
     w, h0, xs = _inputs(num_steps)
@@ -114,6 +115,7 @@ def test_one_reading_of_the_arguments_for_every_entry_point():
     np.testing.assert_allclose(memento.chain([jnp.tanh], h0, memory="1MiB"), jnp.tanh(h0))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_at_checkpoint_per_steps_bytes_auto_runs_that_idiom_within_them():
     # At exactly lax.scan(jax.checkpoint(step))'s bytes the fastest plan is that idiom:
     # every step's carry stored, each step run again alone. A plan without inner loops
@@ -151,6 +153,7 @@ def _at_the_idioms_bytes(loss, *args):
     return _temp(jax.grad(functools.partial(loss, run=at)), *args), idiom, at
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_at_checkpoint_per_steps_bytes_an_attention_step_runs_that_idiom():
     # A step reading a weight and its transpose (attention over fixed keys): the
     # pullback's transpose of the weight is folded into the product that reads it, never
@@ -178,6 +181,7 @@ def test_at_checkpoint_per_steps_bytes_an_attention_step_runs_that_idiom():
         np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_a_one_step_segment_stores_only_the_carry_its_step_reads(monkeypatch):
     # A carry of a state and a running sum that no step's derivative reads: a one-step
     # segment's stored start keeps the state alone (XLA drops the rest, as for the
@@ -221,6 +225,7 @@ def test_a_one_step_segment_stores_only_the_carry_its_step_reads(monkeypatch):
     np.testing.assert_allclose(grad(w, h0, xs), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_at_checkpoint_per_steps_bytes_a_state_and_its_velocity_run_that_idiom():
     # A state and a velocity that enters linearly: the idiom stores both leaves per
     # step, a step's internal state (its tanh, its state) is the largest thing in flight

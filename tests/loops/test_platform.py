@@ -3,6 +3,7 @@ committed array's device), else the default device, else JAX's default backend."
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import memento
 from memento.loops._body import platform
@@ -28,6 +29,7 @@ def test_platform_of_committed_inputs_and_the_default_device():
     traced(jnp.ones(2))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_the_plan_follows_the_platform(monkeypatch):
     """On a GPU an HSM plan runs as the recursion from the first step (no rows to compile);
     on CPU from 2**16 steps. The planner sees the platform it is given."""

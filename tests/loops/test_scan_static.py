@@ -120,6 +120,7 @@ def _temp(f, *args):
     [(1, 1, 1.0), (4, 1000, 1.0), (4, 1000, 0.05), (64, 10**4, 0.3), (64, 10**4, 0.05),
      (4, 10**6, 0.05), (4, 2000, 0.69), (4, 2000, 0.85)],
 )  # fmt: skip
+@pytest.mark.usefixtures("on_cpu")
 def test_a_byte_budget_is_the_compiled_gradients_memory(width, num_steps, share):
     # The budget is a share of what lax.scan's gradient takes; the compiled gradient of
     # memento.scan must take at most the budget, give or take 5% and 4 KiB (XLA's
@@ -166,6 +167,7 @@ def _assert_counted_closely(compiled: int, count: int):
     [((10, 10, 10),), ((10, 5, 4, 5),), ((3, 10, 5, 5), (5, 10, 5)),
      ((3, 10, 5, 5), (2, 10, 10), (5, 10)), ((5, 10, 10), (500,))],
 )  # fmt: skip
+@pytest.mark.usefixtures("on_cpu")
 def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, width, pieces):
     # What the planner counts for a plan (`explain(...).program_bytes`) is at least what
     # XLA compiles it to, and not far above: nests of three to four levels, several
@@ -182,6 +184,7 @@ def test_a_static_plans_count_bounds_its_compiled_bytes_closely(monkeypatch, wid
     _assert_counted_closely(compiled, count)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("pieces", [((4, 40, 6), (40,)), ((10, 11, 9), (10,))])
 def test_a_nest_before_steps_stored_whole_counts_its_refills_from_the_start(monkeypatch, pieces):
     # A leapfrog step (a position and a velocity) in a three-level nest and then steps
@@ -210,6 +213,7 @@ def test_a_nest_before_steps_stored_whole_counts_its_refills_from_the_start(monk
     _assert_counted_closely(compiled, count)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("pieces", [((40, 25),), ((10, 10, 10),), ((1000, 1),)])
 def test_a_carry_cast_wider_counts_its_stack_of_starts_cast(monkeypatch, pieces):
     # A bfloat16 carry that the step casts to float32: XLA casts a nest's whole stack of
@@ -246,6 +250,7 @@ def _elementwise_loss(w, xs, h0=None, memory=None, executor="auto"):
     "width,num_steps,share",
     [(1, 7, 0.5), (256, 3000, 0.1), (2**20, 12, 0.4)],  # a scalar to a 4 MiB carry
 )
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("executor", ["auto", "static", "rows", "recursion"])
 def test_byte_budgets_hold_for_every_executor(width, num_steps, share, executor):
     # Every executor auto can pick keeps a byte budget: the compiled gradient's temp
@@ -398,6 +403,7 @@ def test_the_step_profile_leaves_out_what_xla_reduces_in_place():
     assert read.largest == 8 * 256 * 4
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_a_reduced_outer_product_leaves_the_budget_to_the_stored_carries():
     # y = sum(outer(h, v)), 8 KiB that XLA never holds: a 6 KiB budget runs a static nest
     # within it (the count once took the outer product for the step's working set and
@@ -421,6 +427,7 @@ def test_a_reduced_outer_product_leaves_the_budget_to_the_stored_carries():
     assert temp <= 6 * 1024, temp
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("cast", [jnp.bfloat16, None])
 def test_the_recursion_takes_the_slots_a_byte_budget_holds_beside_large_weights(cast):
     # A weight of 256 KiB (cast to bfloat16, or not): the recursion sums its cotangent
@@ -488,6 +495,7 @@ def test_the_rows_count_their_first_sweeps_tables_in_a_byte_budget():
         assert _temp(jax.grad(loss), w, xs) <= budget * 1.05 + 4096
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("share", [0.02, 0.3])
 def test_the_recursion_counts_its_positions_in_a_byte_budget(share):
     # A 4-float carry is 16 bytes; the recursion keeps an int32 position (and, with the
