@@ -615,12 +615,14 @@ def within_bytes(temp: int, budget: int) -> bool:
 
 
 def schedule_of(body: Body, args: tuple, budget_bytes: int, executor: str) -> dict | None:
-    """What memento plans for this budget (policy, forward evaluations), where it says."""
+    """What memento plans for this budget (`memento.explain`): the executor and policy,
+    forward evaluations, loop iterations, the predicted bytes and seconds, and why (a
+    static plan's segment lengths), on the platform the inputs are on."""
     import memento
 
     weights, init, xs = args
     try:
-        s = memento.loops.scan_schedule(
+        plan = memento.explain(
             lambda c, x: body.cell(weights, c, x),
             init,
             xs,
@@ -630,11 +632,17 @@ def schedule_of(body: Body, args: tuple, budget_bytes: int, executor: str) -> di
         )
     except Exception:  # a refusal is recorded by the run itself
         return None
-    info = {"policy": getattr(s, "policy", None), "cost": getattr(s, "cost", None)}
-    for key in ("executor", "slots", "levels"):
-        if hasattr(s, key):
-            info[key] = getattr(s, key)
-    return {k: (int(v) if isinstance(v, np.integer) else v) for k, v in info.items()}
+    return {
+        "backend": plan.backend,
+        "executor": plan.executor,
+        "policy": plan.policy,
+        "slots": int(plan.slots),
+        "cost": float(plan.evaluations),
+        "loop_iterations": float(plan.loop_iterations),
+        "program_bytes": int(plan.program_bytes),
+        "predicted_s": float(plan.seconds),
+        "why": plan.why,
+    }
 
 
 def measure(body: Body, num_steps: int, args_: argparse.Namespace, support: dict) -> dict:
