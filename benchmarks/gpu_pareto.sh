@@ -34,18 +34,7 @@ mkdir -p "$OUT"
 LOG="$OUT/session.log"
 : >"$LOG"
 
-say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
-# part NAME SECONDS COMMAND...: runs COMMAND under timeout, output tee'd into the log.
-part() {
-    local name=$1 cap=$2
-    shift 2
-    local cmd="$*"
-    say "$name (cap ${cap} s): ${cmd:0:300}"
-    local start=$SECONDS
-    timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
-}
+. "$(dirname "$0")/_parts.sh"
 
 if [ "$QUICK" = 1 ]; then
     STEPS=300; FIRST=1e3; ROUNDS=1; HEAD=tanh4,lstm32; MORE=scalar,attn32

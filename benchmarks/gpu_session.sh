@@ -40,18 +40,7 @@ else
 fi
 mkdir -p "$RES"
 
-say() { echo "=== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
-# part NAME SECONDS COMMAND...: runs COMMAND under timeout, output tee'd into the log.
-part() {
-    local name=$1 cap=$2
-    shift 2
-    local cmd="$*"
-    say "$name (cap ${cap} s): ${cmd:0:240}"
-    local start=$SECONDS
-    timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    say "$name: exit $rc after $((SECONDS - start)) s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
-}
+. "$(dirname "$0")/_parts.sh"
 collect() {
     for f in offload.json device_budget.json torch_rnn.json torch_chain.json \
         lstm_policy.json cell_policy.json small_loops.json; do
