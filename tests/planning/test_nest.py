@@ -136,7 +136,7 @@ def test_stacks_copied_whole_at_each_store_are_kept_short():
             starts=plan.loop_starts, rewritten=plan.rewritten_bytes,
         )  # fmt: skip
 
-    sizes = dict(carry_bytes=1024, residual_bytes=1536, whole_bytes=1024)
+    sizes = dict(carry_bytes=1024, residual_bytes=1536)
     budget = 4 * 2**20
     free = plan_static(3001, budget, **sizes, seconds=seconds)
     costly = plan_static(3001, budget, **sizes, residual_rewrite_bytes=512, seconds=seconds)
@@ -207,8 +207,8 @@ def test_a_tight_budget_finds_the_nest_whose_segments_divide_the_steps():
     # starts do not fit, but 50 x 20 x 10 divides the steps and does, with a quarter
     # fewer evaluations than the four-level nests that fit.
     sizes = dict(
-        carry_bytes=68, residual_bytes=196, stream_bytes=4, level_bytes=640, whole_bytes=64,
-        piece_bytes=784, loop_bytes=960, start_bytes=68,
+        carry_bytes=68, residual_bytes=196, stream_bytes=4, level_bytes=640, piece_bytes=784,
+        loop_bytes=960, start_bytes=68,
     )  # fmt: skip
     plan = plan_static(10_000, 8_361, **sizes)
     assert len(plan.pieces) == 1 and len(plan.pieces[0]) == 3, plan.pieces

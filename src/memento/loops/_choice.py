@@ -88,7 +88,6 @@ class _Sizes:
     stream: int
     fixed: int
     level: int
-    whole: int
     piece: int
     accumulators: int
     loop: int
@@ -227,7 +226,8 @@ def _static_fit(fit: _Fit) -> Choice | None:
     if not (forced or request.executor == "auto") or request.policy != "auto" or mapped:
         return None
     room, kinds = _static_budget(fit.budget, fit.slots, sizes)
-    if isinstance(fit.budget, Bytes) and fit.budget.num_bytes >= fit.num_steps * sizes.residual:
+    everything = fit.num_steps * sizes.residual + _static_fixed(sizes)
+    if isinstance(fit.budget, Bytes) and fit.budget.num_bytes >= everything:
         room = math.inf  # room for lax.scan's own memory: store every step
     seconds = functools.partial(
         _static_seconds, step=fit.step, backend=fit.backend, dataflow=fit.dataflow
@@ -295,7 +295,7 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
         for avals in (body.carry_avals, spec.stored)
     ]
     return _Sizes(
-        carry, residual, stream, working + consts, level, xs, piece, consts, loop, start,
+        carry, residual, stream, working + consts, level, piece, consts, loop, start,
         *rewrite, profile.widened,
     )  # fmt: skip
 
@@ -325,7 +325,6 @@ def _plan_bytes(sizes: _Sizes, stored_only: bool = False) -> dict[str, int]:
     return stored | {
         "stream_bytes": sizes.stream,
         "level_bytes": sizes.level,
-        "whole_bytes": sizes.whole,
         "piece_bytes": sizes.piece,
         "loop_bytes": sizes.loop,
         "start_bytes": sizes.start,

@@ -49,8 +49,6 @@ class StaticPlan:
             internal state: its slice of the outputs' cotangents.
         level_bytes: what each level of a nest beyond the second takes besides its stored
             starts (the executor's loop state for it).
-        whole_bytes: what a step of a piece stored whole keeps besides its internal state
-            (its slice of ``xs``, which its pullback holds).
         piece_bytes: what each nest beyond the first takes besides its stored starts
             (its loops' state, and the buffers XLA cannot share with another nest's).
         loop_bytes: what the backward pass's inner loops hold (their counters,
@@ -75,7 +73,6 @@ class StaticPlan:
     residual_bytes: int
     stream_bytes: int = 0
     level_bytes: int = 0
-    whole_bytes: int = 0
     piece_bytes: int = 0
     loop_bytes: int = 0
     start_bytes: int | None = None
@@ -102,7 +99,7 @@ class StaticPlan:
         # last first, each freeing what it stored, so a nest's backward runs with what
         # the pieces before it store (a piece stored whole after it is already freed).
         nests = sum(len(p) > 1 for p in self.pieces)
-        stored = [_piece_stored(p, c, r + self.whole_bytes, c1) for p in self.pieces]
+        stored = [_piece_stored(p, c, r, c1) for p in self.pieces]
         held = max(0, nests - 1) * self.piece_bytes
         # The buffers a nest refills with its inner levels' starts: XLA was seen to keep
         # every nest's apart from the others', so a nest's backward runs beside the
@@ -402,7 +399,6 @@ def plan_static(
     residual_bytes: int,
     stream_bytes: int = 0,
     level_bytes: int = 0,
-    whole_bytes: int = 0,
     piece_bytes: int = 0,
     loop_bytes: int = 0,
     start_bytes: int | None = None,
@@ -432,7 +428,7 @@ def plan_static(
     c, r, s = max(int(carry_bytes), 1), max(int(residual_bytes), 1), int(stream_bytes)
     c1 = c if start_bytes is None else int(start_bytes)
     sizes = (
-        c, r, s, int(level_bytes), int(whole_bytes), int(piece_bytes), int(loop_bytes), c1,
+        c, r, s, int(level_bytes), int(piece_bytes), int(loop_bytes), c1,
         int(carry_rewrite_bytes), int(residual_rewrite_bytes), int(widened_bytes),
     )  # fmt: skip
     best: StaticPlan | None = None
@@ -467,7 +463,7 @@ def plan_static(
     if not fewest_bytes and everything.peak_bytes <= budget_bytes:
         return everything  # lax.scan's own gradient: the fewest evaluations and loops
     consider(everything)
-    whole = num_steps * (r + int(whole_bytes))
+    whole = num_steps * r
     for depth in range(2, max_depth + 1):
         for inner in _candidates(num_steps, depth, c, r + s):
             # Every plan below stores the starts of about T / prod(inner) segments (two
