@@ -391,9 +391,10 @@ def step_profile(body: Body) -> StepProfile:
     product of a matrix and a vector gives its cotangent as an outer product, which XLA
     fuses into that sum, and is not counted.
 
-    ``widened`` counts the carry leaves that the step casts to a wider dtype (bfloat16 to
-    float32, say), at the wider size: reading such a leaf from a stack of stored carries
-    inside a loop, XLA may cast the whole stack first, out of the loop.
+    ``widened`` counts the bfloat16 carry leaves that the step casts to a wider dtype, at
+    the wider size: reading such a leaf from a stack of stored carries inside a loop,
+    XLA:CPU casts the whole stack first, out of the loop (it computes in float32 what is
+    bfloat16). It keeps a float16 stack as it is.
     """
     tracked = {v for v, m in zip(body.jaxpr.constvars, body.const_mask) if m}
     profile = _profile(body.jaxpr, tracked, fixed=set(body.jaxpr.constvars))
@@ -403,7 +404,7 @@ def step_profile(body: Body) -> StepProfile:
         if eqn.primitive.name != "convert_element_type" or not _in(eqn.invars[0], carry):
             continue
         v, out = eqn.invars[0], eqn.outvars[0].aval
-        if out.dtype.itemsize > v.aval.dtype.itemsize:
+        if v.aval.dtype == jnp.bfloat16 and out.dtype.itemsize > v.aval.dtype.itemsize:
             widened[v] = max(widened.get(v, 0), nbytes([out]))
     return dataclasses.replace(profile, widened=sum(widened.values()))
 
