@@ -584,27 +584,28 @@ def compile_grad(loss: Callable, args: tuple, max_run_bytes: int) -> Method:
     return method
 
 
+def _leaves(grad, reference):
+    """Each leaf of ``grad`` and of ``reference`` in float64, and the reference leaf's
+    largest magnitude (the scale errors are relative to)."""
+    import jax
+
+    for g, r in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(reference)):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        yield g, r, max(float(np.abs(r).max()), 1e-30)
+
+
 def relative_error(grad, reference) -> float:
     """The largest difference between ``grad`` and ``reference``, relative to the
     reference's largest entry, over all leaves."""
-    import jax
-
-    worst = 0.0
-    for g, r in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(reference)):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        scale = max(float(np.abs(r).max()), 1e-30)
-        worst = max(worst, float(np.abs(g - r).max()) / scale)
-    return worst
+    return max(
+        (float(np.abs(g - r).max()) / s for g, r, s in _leaves(grad, reference)), default=0.0
+    )
 
 
 def check_gradient(name: str, grad, reference, rtol: float = RTOL) -> float:
     """Asserts ``grad`` equals ``reference`` to ``rtol`` (float32's by default); returns
     `relative_error`."""
-    import jax
-
-    for g, r in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(reference)):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        scale = max(float(np.abs(r).max()), 1e-30)
+    for g, r, scale in _leaves(grad, reference):
         np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * scale, err_msg=name)
     return relative_error(grad, reference)
 
@@ -741,7 +742,7 @@ def memento_at(
 
 def check_gradients(
     where: str, peers: dict, methods: dict, rtol: float = RTOL, keep_going: bool = False
-) -> tuple[str | None, dict]:
+) -> tuple[str | None, dict, set]:
     """Every gradient that ran against lax.scan's (or, past the memory cap, the first peer
     that ran); raises AssertionError on a mismatch, unless ``keep_going``: then the
     mismatch is logged and the method fails.
@@ -826,14 +827,6 @@ def first_calls(body: Body, num_steps: int, rounds: int) -> dict:
         rec["vs_lax_scan"] = rec["first_s"] / base
     out["memento_ok"] = out["methods"]["memento auto"]["vs_lax_scan"] <= 2.0
     return out
-
-
-def jax_matmul_precision() -> str | None:
-    """JAX's default matrix-product precision (``None``: the backend's own; on NVIDIA GPUs
-    that rounds float32 operands to TF32)."""
-    import jax
-
-    return jax.config.jax_default_matmul_precision
 
 
 def _clear_memento_caches() -> None:
@@ -1068,6 +1061,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return _common.print_markdown(args.markdown, markdown)
     if args.threads == "one":
         _common.use_one_thread()
+    import jax
+
     support = executor_support()
     _log(f"executors: {support}")
     load_before = os.getloadavg()
@@ -1093,7 +1088,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "bytes_slack": list(BYTES_SLACK),
                 "gradient_rtol": RTOL,
                 "gradient_rtol_bfloat16": BF16_RTOL,
-                "matmul_precision": jax_matmul_precision(),
+                # None: the backend's own (on NVIDIA GPUs, float32 operands as TF32).
+                "matmul_precision": jax.config.jax_default_matmul_precision,
             },
             # The machine's 1-minute load average when the run began and ended: time
             # ratios of millisecond calls are steady only on a quiet machine.
