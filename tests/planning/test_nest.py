@@ -1,6 +1,7 @@
 """Static plans (nested segments of static lengths): the planner's count of evaluations and
 bytes against the simulator's replay, at sizes from one step to a million. NumPy only."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -216,3 +217,25 @@ def test_a_tight_budget_finds_the_nest_whose_segments_divide_the_steps():
     assert plan.evaluations <= 29_600
     replay = nest_schedule(plan).simulate()
     assert replay.forward_evaluations == plan.evaluations
+
+
+def test_one_step_bytes_count_only_in_plans_whose_segments_are_single_steps():
+    # A one-step segment runs its step again and back-propagates it at once, holding
+    # that step's gradient: the plans that have one pay ``one_step_bytes``, the others
+    # nothing, and a planner given them trades one-step segments for longer ones.
+    sizes = dict(carry_bytes=64, residual_bytes=640)
+    per_step = StaticPlan(((1000, 1),), **sizes)
+    nest = StaticPlan(((100, 10),), **sizes)
+    deep = StaticPlan(((10, 10, 10),), **sizes)
+    assert per_step.one_step_segments and not nest.one_step_segments
+    assert not deep.one_step_segments and StaticPlan(((10, 100, 1),), **sizes).one_step_segments
+    assert not StaticPlan(((1000,),), **sizes).one_step_segments  # stored whole
+    for plan in (per_step, nest, deep):
+        more = dataclasses.replace(plan, one_step_bytes=5000)
+        assert more.peak_bytes == plan.peak_bytes + 5000 * plan.one_step_segments
+    favoured = lambda p: 1.0 if p.one_step_segments else 2.0
+    budget = per_step.peak_bytes + 100
+    assert plan_static(1000, budget, **sizes, seconds=favoured).one_step_segments
+    cheaper = plan_static(1000, budget, **sizes, one_step_bytes=budget, seconds=favoured)
+    assert not cheaper.one_step_segments and cheaper.peak_bytes <= budget
+    assert nest_schedule(cheaper).simulate().forward_evaluations == cheaper.evaluations

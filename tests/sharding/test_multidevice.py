@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(
 T, B, H = 32, 512, 16  # the batch dominates memory, as in data parallelism
 # "hsm-rec": HSM as the device recursion long scans use (`memento.loops._recursion`).
 POLICIES = [("hsm", 4), ("ism", 40), ("msm", 8), ("auto", 6), ("hsm-rec", 4)]
+# Byte budgets, where the rows and the recursion compile one step's gradient alone to
+# count it (on one device; skipped where the values' types name a mesh).
+BYTES = [("hsm-rec", "1MiB"), ("auto", "1MiB")]
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +92,7 @@ def _data_parallel_reference():
         return compiled(*args), loop_collectives(compiled.as_text())
 
 
-@pytest.mark.parametrize("policy,memory", POLICIES)
+@pytest.mark.parametrize("policy,memory", POLICIES + BYTES)
 def test_jit_data_parallel(policy, memory):
     w, h0, xs = data()
     args = data_parallel()
@@ -115,7 +118,7 @@ def test_jit_data_parallel(policy, memory):
     assert per_device <= 1.25 * alone / 8, (per_device, alone)
 
 
-@pytest.mark.parametrize("policy,memory", [*POLICIES[:2], POLICIES[-1]])
+@pytest.mark.parametrize("policy,memory", [*POLICIES[:2], POLICIES[-1], *BYTES])
 def test_jit_explicit_sharding(policy, memory):
     # Explicit mesh axes: every value's type carries its sharding, storage included.
     w, h0, xs = data()

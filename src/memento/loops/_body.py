@@ -27,7 +27,7 @@ from jax import core as jax_core, lax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 
-from ._pool import from_storage, nbytes as nbytes
+from ._pool import from_storage, nbytes as nbytes, varying
 
 Leaves = list[Any]
 
@@ -324,6 +324,39 @@ class Body:
             reads=_reads(closed, len(self.consts), self.carry_avals),
             invariant=invariant, invariant_consts=consts_used,
         )  # fmt: skip
+
+    def gradient_temp_bytes(self, backend: str) -> int | None:
+        """The temporary bytes XLA assigns to one step's gradient (the step keeping its
+        residuals, then its pullback) compiled alone for ``backend``: what a loop that
+        back-propagates one step at a time holds beside its own state, including the
+        cotangents of wide intermediates that XLA keeps as arrays. None where the step
+        cannot be compiled alone on one device: its values vary over ``shard_map``'s
+        mesh axes or are typed with a mesh's sharding, or the backend has no device here
+        or reports no memory analysis)."""
+        consts, carry, x = (_avals(a) for a in (self.consts, self.carry_avals, self.x_avals))
+        if any(varying(a) or _on_mesh(a) for a in (*consts, *carry, *x)):
+            return None
+        cts = [
+            a for a, m in zip(self.carry_avals + self.y_avals, self.carry_mask + self.y_mask) if m
+        ]
+        n = sum(self.carry_mask)
+
+        def gradient(consts, carry, x, cts):
+            _, _, pullback = self.linearize(consts, carry, x)
+            return pullback((cts[:n], cts[n:]))
+
+        try:
+            device = jax.devices(backend)[0]
+        except RuntimeError:
+            return None
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        shaped = [
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
+             for a in avals]
+            for avals in (consts, carry, x, cts)
+        ]  # fmt: skip
+        analysis = jax.jit(gradient).lower(*shaped).compile().memory_analysis()
+        return None if analysis is None else int(analysis.temp_size_in_bytes)
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``:
@@ -736,6 +769,12 @@ def _aval(x):
     ``shard_map`` the mesh axes it varies over (so a trace inserts the same ``pvary``s as
     the values' own)."""
     return x if isinstance(x, (jax.ShapeDtypeStruct, jax_core.ShapedArray)) else jax.typeof(x)
+
+
+def _on_mesh(aval) -> bool:
+    """Whether ``aval``'s type names a mesh (explicit sharding, ``jax.set_mesh``)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and not getattr(mesh, "empty", True)
 
 
 def _avals(leaves) -> list:

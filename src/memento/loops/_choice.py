@@ -81,7 +81,12 @@ class _Sizes:
     (`StaticPlan.loop_bytes`); ``start`` what a one-step segment's stored start keeps
     (`StaticPlan.start_bytes`); ``carry_rewrite`` and ``residual_rewrite`` their bytes
     in bfloat16 leaves (`StaticPlan.carry_rewrite_bytes`); ``widened`` a stored start's
-    leaves as the step casts them wider (`StaticPlan.widened_bytes`)."""
+    leaves as the step casts them wider (`StaticPlan.widened_bytes`); ``in_flight`` what
+    the working set counts for one step's gradient (its residuals or its largest
+    intermediate, the weights' cotangents made as products, the residuals computed again
+    from the closed-over arrays, XLA's small buffers): what `Body.gradient_temp_bytes`
+    measures; ``one_step`` what a one-step segment holds beyond it
+    (`StaticPlan.one_step_bytes`)."""
 
     carry: int
     residual: int
@@ -95,6 +100,8 @@ class _Sizes:
     carry_rewrite: int = 0
     residual_rewrite: int = 0
     widened: int = 0
+    in_flight: int = 0
+    one_step: int = 0
 
     @property
     def summed_in_place(self) -> int:
@@ -130,6 +137,20 @@ class _Fit:
 
     def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
         return loop_seconds(evaluations, iterations, executor, step=self.step, backend=self.backend)
+
+    @functools.cached_property
+    def gradient_over(self) -> int:
+        """Under a byte budget, the bytes by which one step's gradient as XLA compiles it
+        alone (`Body.gradient_temp_bytes`) exceeds what the working set counts for it
+        (``sizes.in_flight``): a wide intermediate whose cotangent XLA keeps as an array
+        beside the residuals (a softmax's, a max's). A loop that back-propagates one step
+        at a time holds that program's bytes: the rows, the recursion, and a nest's
+        one-step segments. 0 under a slot budget (slots count stored states only), and
+        where the step cannot be compiled alone. Compiled once, where a plan needs it."""
+        if not isinstance(self.budget, Bytes):
+            return 0
+        measured = self.body.gradient_temp_bytes(self.backend)
+        return 0 if measured is None else max(0, measured - self.sizes.in_flight)
 
     def slots_within(self, slots: int, per_slot: int, fixed: int) -> int:
         """At most ``slots``, at least one, of ``per_slot`` bytes each beside ``fixed``
@@ -233,6 +254,11 @@ def _static_fit(fit: _Fit) -> Choice | None:
         _static_seconds, step=fit.step, backend=fit.backend, dataflow=fit.dataflow
     )
     prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
+    if prog is not None and prog.one_step_segments and fit.gradient_over:
+        # Its one-step segments hold a step's gradient as compiled: plan again, counting it.
+        sizes = dataclasses.replace(sizes, one_step=fit.gradient_over)
+        room, kinds = _static_budget(fit.budget, fit.slots, sizes)
+        prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
     if prog is None:
         if forced:
             raise ValueError(_no_static_plan(fit))
@@ -283,7 +309,8 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     # holds as arrays).
     largest = profile.varying if spec.invariant is not None else profile.largest
     loop = max(0, _CONTROL_BYTES - largest)
-    working = carry + xs + max(residual, largest) + loop + profile.products + again
+    in_flight = max(residual, largest) + profile.products + again + loop
+    working = carry + xs + in_flight
     # A level beyond the second: the counters and indices of its loops.
     level = _LEVEL_BYTES
     # A nest beyond the first: its loops' state, and its carries around them.
@@ -296,7 +323,7 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     ]
     return _Sizes(
         carry, residual, stream, working + consts, level, piece, consts, loop, start,
-        *rewrite, profile.widened,
+        *rewrite, profile.widened, in_flight,
     )  # fmt: skip
 
 
@@ -328,6 +355,7 @@ def _plan_bytes(sizes: _Sizes, stored_only: bool = False) -> dict[str, int]:
         "piece_bytes": sizes.piece,
         "loop_bytes": sizes.loop,
         "start_bytes": sizes.start,
+        "one_step_bytes": sizes.one_step,
         "widened_bytes": sizes.widened,
     }
 
@@ -338,7 +366,7 @@ def _static_fixed(sizes: _Sizes) -> int:
 
 
 def _no_static_plan(fit: _Fit) -> str:
-    budget, sizes = fit.budget, fit.sizes
+    budget, sizes = fit.budget, dataclasses.replace(fit.sizes, one_step=fit.gradient_over)
     room, kinds = _static_budget(budget, fit.slots, sizes)
     smallest = plan_static(fit.num_steps, math.inf, **kinds, fewest_bytes=True)
     assert smallest is not None  # nothing bounds it
@@ -380,7 +408,7 @@ def _static_seconds(
 
 def _loop_fit(fit: _Fit) -> Choice:
     """The loop the policy picks for the budget: the recursion or the rows."""
-    request = fit.request
+    request, fit = fit.request, _gradient_measured(fit)
     if request.executor == "recursion":
         return _recursion_fit(fit, "asked for")
     slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
@@ -399,7 +427,22 @@ def _loop_fit(fit: _Fit) -> Choice:
     if rows is None:  # auto: the rows do not fit a byte budget; the recursion keeps none
         reason = "the schedule's rows would not fit the byte budget; the recursion keeps none"
         return _recursion_fit(fit, reason)
+    hsm = request.policy in ("auto", "hsm")
+    if request.executor == "auto" and hsm and isinstance(fit.budget, Bytes):
+        # The rows take bytes that the recursion keeps as slots.
+        reason = "predicted faster than the schedule's rows, whose bytes it keeps as slots"
+        recursion = _recursion_fit(fit, reason)
+        return recursion if recursion.seconds < rows.seconds else rows
     return rows
+
+
+def _gradient_measured(fit: _Fit) -> _Fit:
+    """``fit`` with its working set raised by `_Fit.gradient_over`: the rows and the
+    recursion back-propagate one step at a time."""
+    if not fit.gradient_over:
+        return fit
+    sizes = dataclasses.replace(fit.sizes, fixed=fit.sizes.fixed + fit.gradient_over)
+    return dataclasses.replace(fit, sizes=sizes)
 
 
 def _rows_fit(fit: _Fit, slots: int, charges) -> Choice | None:

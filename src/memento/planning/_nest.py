@@ -66,6 +66,10 @@ class StaticPlan:
         widened_bytes: what a stored outer start takes again, cast wider, while its
             nest is back-propagated: the leaves a step casts to a wider dtype, which XLA
             may cast for the whole stack at once, out of the backward loop.
+        one_step_bytes: what a one-step segment back-propagated holds beyond the step
+            in flight that the caller's working set counts, in a plan that has any (a
+            nest whose innermost segments are single steps): its step runs again and is
+            back-propagated at once, as one step's gradient compiled alone.
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -79,6 +83,7 @@ class StaticPlan:
     carry_rewrite_bytes: int = 0
     residual_rewrite_bytes: int = 0
     widened_bytes: int = 0
+    one_step_bytes: int = 0
 
     @property
     def num_steps(self) -> int:
@@ -117,7 +122,14 @@ class StaticPlan:
                 apart = all_refills - own
                 peak = max(peak, held + _piece_peak(p, c, r, c1) + extra + apart)
             held += kept
-        return peak + (self.loop_bytes if self.inner_loops else 0)
+        peak += self.loop_bytes if self.inner_loops else 0
+        return peak + (self.one_step_bytes if self.one_step_segments else 0)
+
+    @property
+    def one_step_segments(self) -> bool:
+        """Whether a nest's innermost segments are single steps (see
+        ``one_step_bytes``)."""
+        return any(len(p) > 1 and p[-1] == 1 for p in self.pieces)
 
     @property
     def inner_loops(self) -> bool:
@@ -405,6 +417,7 @@ def plan_static(
     carry_rewrite_bytes: int = 0,
     residual_rewrite_bytes: int = 0,
     widened_bytes: int = 0,
+    one_step_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
     seconds: Callable[[StaticPlan], float] | None = None,
@@ -430,6 +443,7 @@ def plan_static(
     sizes = (
         c, r, s, int(level_bytes), int(piece_bytes), int(loop_bytes), c1,
         int(carry_rewrite_bytes), int(residual_rewrite_bytes), int(widened_bytes),
+        int(one_step_bytes),
     )  # fmt: skip
     best: StaticPlan | None = None
 
