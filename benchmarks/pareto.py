@@ -41,7 +41,7 @@ sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
 
 Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
       [--bodies tanh4,elem256,matvec128,lstm32,lstm256,gru64,velocity64,scalar,elem4096,
-       rk4mlp,mixed256,counter16,conv8x128]
+       rk4mlp,mixed256,counter16,conv8x128,attn32,bigx8,ysbig8,bf16c512,lse48,max32]
       [--executors auto,static,rows,recursion]
       [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
       (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
@@ -392,6 +392,37 @@ def _bf16_state_inputs(num_steps):
     return params, jnp.zeros(512, jnp.bfloat16), xs
 
 
+def _logsumexp(p, h, x):
+    """A logsumexp over a wide broadcast of the state and the weights: one step
+    back-propagated alone holds the broadcast, its exponentials and their cotangent."""
+    import jax
+    import jax.numpy as jnp
+
+    z = h[:, None] * p[None, :] + x[:, None]
+    h = jnp.tanh(jax.nn.logsumexp(z, axis=1) * 0.1)
+    return h, jnp.sum(h)
+
+
+def _max_wide(p, h, x):
+    """A max over a wide broadcast: its derivative keeps a mask of the broadcast."""
+    import jax.numpy as jnp
+
+    h = jnp.tanh(jnp.max(h[:, None] * p[None, :], axis=1) + x)
+    return h, jnp.sum(h)
+
+
+def _wide_inputs(rows, width, seed):
+    def make(num_steps):
+        import jax
+        import jax.numpy as jnp
+
+        k = jax.random.split(jax.random.PRNGKey(seed), 2)
+        xs = 0.3 * jax.random.normal(k[1], (num_steps, rows))
+        return jax.random.normal(k[0], (width,)) / 4, jnp.zeros(rows), xs
+
+    return make
+
+
 BODIES = {
     b.name: b
     for b in (
@@ -420,6 +451,8 @@ BODIES = {
         Body("bigx8", "8 floats driven by 512-float inputs", _wide_input, _wide_input_inputs),
         Body("ysbig8", "8 floats, a 256-wide outer product summed", _readout, _readout_inputs),
         Body("bf16c512", "a bfloat16 state of 512", _bf16_state, _bf16_state_inputs, BF16_RTOL),
+        Body("lse48", "logsumexp over a 48 x 256 broadcast", _logsumexp, _wide_inputs(48, 256, 17)),
+        Body("max32", "max over a 32 x 512 broadcast", _max_wide, _wide_inputs(32, 512, 18)),
     )
 }
 
@@ -867,14 +900,19 @@ def _size(num_bytes: float | None) -> str:
         return "-"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
+            return f"{_digits(num_bytes / scale)} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def _digits(x: float) -> str:
+    """Three significant digits, a whole number from 999.5 up (not ``1e+03``)."""
+    return f"{x:.3g}" if x < 999.5 else f"{x:.0f}"
 
 
 def _secs(s: float | None) -> str:
     if s is None:
         return "not run"
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+    return f"{_digits(s * 1e3)} ms" if s < 1 else f"{_digits(s)} s"
 
 
 def _ratio(x: float | None) -> str:

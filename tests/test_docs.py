@@ -155,6 +155,21 @@ def test_benchmarks_gpu_table_is_results_gpu_pareto_jsons():
         assert line in page, line
 
 
+def test_benchmarks_reductions_tables_are_results_pareto_reductions_json():
+    # "memento at its peers' bytes": the wide reductions' headline and every executor's
+    # rows at each budget, rendered from their results.
+    import pareto
+
+    data = json.loads((ROOT / "benchmarks/results/pareto_reductions.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
+    rows = [line for line in rows if not line.startswith(("| body |", "| --- |"))]
+    n = len(data["results"])
+    assert len(rows) == 5 * n  # the headline, three budgets, the peers
+    for line in rows[: 4 * n]:
+        assert line in page, line
+
+
 def test_jax_guide_long_loop_table_is_results_long_json():
     results = json.loads((ROOT / "benchmarks/results/long.json").read_text())
     rows = {(r["method"], r["T"]): r for r in results["results"]}
