@@ -729,3 +729,56 @@ def test_one_step_segments_give_way_to_a_nest_where_xla_cpu_would_run_them_as_da
     got = jax.grad(_cell_loss, argnums=(0, 1))(w, xs, h0, memory=f"{every_start}B", executor="auto")
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _counter_where(w, c, x):  # an integer counter, and a where that runs both branches
+    i, h = c
+    h = jnp.where(i % 2 == 0, jnp.tanh(w * h + x), jnp.sin(h) * 0.9)
+    return (i + 1, h), jnp.sum(h)
+
+
+def _field(w, h, x):  # a two-layer field: residuals that XLA does not keep all at once
+    h = h + 0.1 * jnp.tanh(w[1] @ jnp.tanh(w[0] @ h + x))
+    return h, jnp.sum(h)
+
+
+_PER_STEP_BODIES = {
+    "counter_where": (
+        _counter_where, lambda: jnp.linspace(0.8, 0.9, 128), (jnp.int32(0), jnp.zeros(128)), 128
+    ),
+    "field": (_field, lambda: jnp.stack([jnp.eye(64) * 0.5, jnp.eye(64) * 0.3]), jnp.zeros(64), 64),
+}  # fmt: skip
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("name", sorted(_PER_STEP_BODIES))
+def test_the_per_step_idioms_plan_is_counted_within_its_bytes(monkeypatch, name):
+    # Every step's start stored, each step run again alone: lax.scan(jax.checkpoint(step))
+    # and memento's plan of one-step segments compile to the same bytes. The count takes
+    # the step's gradient as XLA compiles it alone, so at exactly the idiom's bytes that
+    # plan fits (the count once took the step's residuals as all live at once, up to a
+    # kilobyte more, and ran a slower nest there).
+    cell, weights, init, width = _PER_STEP_BODIES[name]
+    num_steps = 300
+    with jax.enable_x64(False):
+        w, xs = weights(), jnp.linspace(-0.2, 0.2, num_steps * width).reshape(num_steps, width)
+
+        def loss(w, scan):
+            _, ys = scan(functools.partial(cell, w), init, xs)
+            return jnp.sum(ys)
+
+        idiom = _temp(
+            jax.grad(
+                functools.partial(loss, scan=lambda f, c, x: lax.scan(jax.checkpoint(f), c, x))
+            ),
+            w,
+        )
+        _force_plan(monkeypatch, ((num_steps, 1),))
+        run = functools.partial(memento.scan, memory=f"{idiom}B", executor="static")
+        plan = memento.explain(
+            functools.partial(cell, w), init, xs, memory=f"{idiom}B", executor="static"
+        )
+        compiled = _temp(jax.grad(functools.partial(loss, scan=run)), w)
+    assert plan.program_bytes <= idiom, (plan.program_bytes, idiom)
+    _assert_counted_closely(compiled, plan.program_bytes)
+    assert compiled <= idiom * 1.05 + 4096

@@ -239,3 +239,33 @@ def test_one_step_bytes_count_only_in_plans_whose_segments_are_single_steps():
     cheaper = plan_static(1000, budget, **sizes, one_step_bytes=budget, seconds=favoured)
     assert not cheaper.one_step_segments and cheaper.peak_bytes <= budget
     assert nest_schedule(cheaper).simulate().forward_evaluations == cheaper.evaluations
+
+
+def test_a_negative_one_step_bytes_counts_only_in_plans_of_one_step_nests_alone():
+    # XLA can keep less of a one-step segment than the count (not every residual at
+    # once): a plan of such nests alone takes that saving; a plan that also runs longer
+    # segments or steps stored whole, whose phases hold the counted step, does not.
+    sizes = dict(carry_bytes=64, residual_bytes=640)
+    only = StaticPlan(((500, 1), (50, 1)), **sizes)
+    mixed = StaticPlan(((500, 1), (50,)), **sizes)
+    for plan in (only, mixed):
+        less = dataclasses.replace(plan, one_step_bytes=-300)
+        assert less.peak_bytes == plan.peak_bytes - 300 * (plan is only)
+    # A plan of one-step segments whose starts alone exceed the budget by less than the
+    # saving is still found.
+    budget = StaticPlan(((1000, 1),), **sizes).peak_bytes - 200
+    favoured = lambda p: 1.0 if p.pieces == ((1000, 1),) else 2.0
+    assert plan_static(1000, budget, **sizes, seconds=favoured).pieces != ((1000, 1),)
+    found = plan_static(1000, budget, **sizes, one_step_bytes=-300, seconds=favoured)
+    assert found.pieces == ((1000, 1),) and found.peak_bytes <= budget
+
+
+def test_a_nests_outer_starts_past_the_cache_count_as_spilled():
+    # Every step's start of a 1 KiB carry at 10^5 steps (100 MB) is stored once and read
+    # back once, as a stack of internal states past the cache is; a nest's few starts
+    # are not.
+    sizes = dict(carry_bytes=1024, residual_bytes=3072)
+    per_step = StaticPlan(((100_000, 1),), **sizes)
+    assert per_step.spilled_bytes(32 * 2**20) == 100_000 * 1024
+    assert StaticPlan(((20, 5000),), **sizes).spilled_bytes(32 * 2**20) == 0
+    assert per_step.spilled_bytes(2**30) == 0

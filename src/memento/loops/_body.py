@@ -325,6 +325,63 @@ class Body:
             invariant=invariant, invariant_consts=consts_used,
         )  # fmt: skip
 
+    def per_step_temp_bytes(self, backend: str, num_steps: int) -> int | None:
+        """The temporary bytes XLA assigns to the gradient of ``num_steps`` steps run as
+        ``lax.scan(jax.checkpoint(step))`` for ``backend``: every step's start stored,
+        each step run again alone and back-propagated. None where `gradient_temp_bytes`
+        is (the same restrictions)."""
+        shaped = self._on_one_device(backend, num_steps)
+        if shaped is None:
+            return None
+        consts, carry, xs, cts = shaped
+        n = len([m for m in self.carry_mask if m])
+
+        def gradient(consts, carry, xs, cts):
+            kf, ki = split(consts, self.const_mask)
+            cf, ci = split(carry, self.carry_mask)
+            xf, xi = split(xs, self.x_mask)
+
+            def run(kf, cf, xf):
+                k = merge(kf, ki, self.const_mask)
+                c = merge(cf, ci, self.carry_mask)
+                step = jax.checkpoint(lambda c, x: tuple(self(k, c, x)))
+                c, ys = lax.scan(step, c, merge(xf, xi, self.x_mask))
+                return split(c, self.carry_mask)[0], split(ys, self.y_mask)[0]
+
+            _, pullback = jax.vjp(run, kf, cf, xf)
+            return pullback((cts[:n], cts[n:]))
+
+        return _temp_bytes(gradient, consts, carry, xs, cts)
+
+    def _on_one_device(self, backend: str, num_steps: int | None = None):
+        """Abstract inputs on one device of ``backend`` for a program of one step (or,
+        with ``num_steps``, of that many steps' xs and ys): ``(consts, carry, x, cts)``,
+        the cotangents those of the differentiated carry and ys leaves; None where
+        `gradient_temp_bytes` says."""
+        consts, carry, x = (_avals(a) for a in (self.consts, self.carry_avals, self.x_avals))
+        if any(varying(a) or _on_mesh(a) for a in (*consts, *carry, *x)):
+            return None
+        try:
+            device = jax.devices(backend)[0]
+        except RuntimeError:
+            return None
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        lead = () if num_steps is None else (num_steps,)
+        ys = [a for a, m in zip(self.y_avals, self.y_mask) if m]
+        cts = [a for a, m in zip(self.carry_avals, self.carry_mask) if m]
+        stacked = [(*lead, *a.shape) for a in x] + [(*lead, *a.shape) for a in ys]
+
+        def struct(a, shape=None):
+            shape = a.shape if shape is None else shape
+            return jax.ShapeDtypeStruct(shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
+
+        return (
+            [struct(a) for a in consts],
+            [struct(a) for a in carry],
+            [struct(a, s) for a, s in zip(x, stacked)],
+            [struct(a) for a in cts] + [struct(a, s) for a, s in zip(ys, stacked[len(x) :])],
+        )
+
     def gradient_temp_bytes(self, backend: str) -> int | None:
         """The temporary bytes XLA assigns to one step's gradient (the step keeping its
         residuals, then its pullback) compiled alone for ``backend``: what a loop that
@@ -333,30 +390,16 @@ class Body:
         cannot be compiled alone on one device: its values vary over ``shard_map``'s
         mesh axes or are typed with a mesh's sharding, or the backend has no device here
         or reports no memory analysis)."""
-        consts, carry, x = (_avals(a) for a in (self.consts, self.carry_avals, self.x_avals))
-        if any(varying(a) or _on_mesh(a) for a in (*consts, *carry, *x)):
+        shaped = self._on_one_device(backend)
+        if shaped is None:
             return None
-        cts = [
-            a for a, m in zip(self.carry_avals + self.y_avals, self.carry_mask + self.y_mask) if m
-        ]
-        n = sum(self.carry_mask)
+        n = len([m for m in self.carry_mask if m])
 
         def gradient(consts, carry, x, cts):
             _, _, pullback = self.linearize(consts, carry, x)
             return pullback((cts[:n], cts[n:]))
 
-        try:
-            device = jax.devices(backend)[0]
-        except RuntimeError:
-            return None
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        shaped = [
-            [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=sharding)
-             for a in avals]
-            for avals in (consts, carry, x, cts)
-        ]  # fmt: skip
-        analysis = jax.jit(gradient).lower(*shaped).compile().memory_analysis()
-        return None if analysis is None else int(analysis.temp_size_in_bytes)
+        return _temp_bytes(gradient, *shaped)
 
     def save(self, spec: ResidualSpec, consts, carry, x) -> tuple[Leaves, Leaves, Leaves]:
         """Runs one step and returns ``(carry_out, y, stored_residuals)`` per ``spec``:
@@ -393,8 +436,11 @@ class StepProfile:
     differentiated closed-over arrays' cotangents that the step's VJP computes as matrix
     products (see `step_profile`), ``matmuls``, its matrix products and
     convolutions, ``varying``, the bytes of its largest intermediate that depends on
-    the carry or ``x`` (not on the closed-over arrays alone), and ``widened``, the bytes
-    of the carry leaves it casts to a wider dtype, as cast (see `step_profile`)."""
+    the carry or ``x`` (not on the closed-over arrays alone), ``widened``, the bytes
+    of the carry leaves it casts to a wider dtype, as cast (see `step_profile`), and
+    ``hoisted``, the ``(flops, bytes, ops)`` of those counts spent on values of the
+    closed-over arrays alone (a weight cast or transposed), which XLA hoists out of a
+    loop of steps but not out of a step run again under ``jax.checkpoint``."""
 
     flops: float
     bytes: float
@@ -404,6 +450,7 @@ class StepProfile:
     matmuls: int = 0
     varying: int = 0
     widened: int = 0
+    hoisted: tuple[float, float, int] = (0.0, 0.0, 0)
 
 
 # Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
@@ -451,6 +498,7 @@ def _profile(
     product's other operand); ``fixed``: the values computed from the closed-over
     arrays alone."""
     flops, nbytes_, ops, largest, products, matmuls, varying = 0.0, 0.0, 0, 0, 0, 0, 0
+    hoisted = (0.0, 0.0, 0)
     tracked, cast, fixed = set(tracked), set(cast), set(fixed)
     reduced = _reduced_away(jaxpr)
     for eqn in jaxpr.eqns:
@@ -472,6 +520,7 @@ def _profile(
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
                 products, matmuls = products + times * q.products, matmuls + times * q.matmuls
                 varying = max(varying, q.varying)
+                hoisted = tuple(a + times * b for a, b in zip(hoisted, q.hoisted))
             if _of_fixed(eqn, fixed):
                 fixed.update(eqn.outvars)
             continue
@@ -489,16 +538,16 @@ def _profile(
             if recast or any(_in(v, cast) for v in eqn.invars):
                 cast.update(eqn.outvars)
         out_bytes = [math.prod(a.shape) * a.dtype.itemsize for a in outs]
-        flops += size
-        nbytes_ += sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
-        ops += 1
+        touched = sum(math.prod(a.shape) * a.dtype.itemsize for a in ins) + sum(out_bytes)
+        flops, nbytes_, ops = flops + size, nbytes_ + touched, ops + 1
         held = [b for v, b in zip(shaped, out_bytes) if v not in reduced]
         largest = max([largest, *held])
         if _of_fixed(eqn, fixed):
             fixed.update(eqn.outvars)
+            hoisted = (hoisted[0] + size, hoisted[1] + touched, hoisted[2] + 1)
         else:
             varying = max([varying, *held])
-    return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying)
+    return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying, hoisted=hoisted)
 
 
 # Ops XLA fuses into their consumers, and the reductions that such a chain ends in: a sum
@@ -769,6 +818,13 @@ def _aval(x):
     ``shard_map`` the mesh axes it varies over (so a trace inserts the same ``pvary``s as
     the values' own)."""
     return x if isinstance(x, (jax.ShapeDtypeStruct, jax_core.ShapedArray)) else jax.typeof(x)
+
+
+def _temp_bytes(f: Callable, *args) -> int | None:
+    """XLA's temporary bytes for ``f`` compiled for ``args`` (None where the backend
+    reports no memory analysis)."""
+    analysis = jax.jit(f).lower(*args).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def _on_mesh(aval) -> bool:

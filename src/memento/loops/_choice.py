@@ -84,9 +84,9 @@ class _Sizes:
     leaves as the step casts them wider (`StaticPlan.widened_bytes`); ``in_flight`` what
     the working set counts for one step's gradient (its residuals or its largest
     intermediate, the weights' cotangents made as products, the residuals computed again
-    from the closed-over arrays, XLA's small buffers): what `Body.gradient_temp_bytes`
-    measures; ``one_step`` what a one-step segment holds beyond it
-    (`StaticPlan.one_step_bytes`)."""
+    from the closed-over arrays, XLA's small buffers), to which `_Fit.gradient_over`
+    compares one step compiled alone; ``one_step`` what a nest of one-step segments
+    holds beyond its count (`_Fit.one_step`, `StaticPlan.one_step_bytes`)."""
 
     carry: int
     residual: int
@@ -112,6 +112,7 @@ class _Sizes:
 
 _CONTROL_BYTES = 1024  # loop counters, indices and XLA's small buffers
 _LEVEL_BYTES = 640  # a nest's level beyond the second: its loops' counters (XLA:CPU: 64 B each)
+_SHORT_LOOP = 8  # steps of the per-step idiom compiled to measure a one-step segment
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,7 +121,9 @@ class _Fit:
 
     ``slots`` is the budget in carry slots, capped at what the loop can use;
     ``budget`` the request's bytes, or those slots (a percentage resolved); ``step`` one
-    step's predicted seconds on ``backend``.
+    step's predicted seconds on ``backend`` in a loop of steps, ``again`` those of its
+    work on the closed-over arrays alone, which such a loop hoists out (`StepProfile`'s
+    ``hoisted``), and which a step run again under remat does again.
     """
 
     body: Body
@@ -134,23 +137,46 @@ class _Fit:
     sizes: _Sizes
     step: float
     dataflow: tuple[bool, bool] = (False, False)
+    again: float = 0.0
 
     def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
-        return loop_seconds(evaluations, iterations, executor, step=self.step, backend=self.backend)
+        """Predicted seconds of the rows or the recursion (which run each step whole)."""
+        step = self.step + self.again
+        return loop_seconds(evaluations, iterations, executor, step=step, backend=self.backend)
 
     @functools.cached_property
     def gradient_over(self) -> int:
         """Under a byte budget, the bytes by which one step's gradient as XLA compiles it
         alone (`Body.gradient_temp_bytes`) exceeds what the working set counts for it
         (``sizes.in_flight``): a wide intermediate whose cotangent XLA keeps as an array
-        beside the residuals (a softmax's, a max's). A loop that back-propagates one step
-        at a time holds that program's bytes: the rows, the recursion, and a nest's
-        one-step segments. 0 under a slot budget (slots count stored states only), and
-        where the step cannot be compiled alone. Compiled once, where a plan needs it."""
+        beside the residuals (a softmax's, a max's). The rows and the recursion
+        back-propagate one step at a time, and hold it. 0 under a slot budget (slots
+        count stored states only), and where the step cannot be compiled alone."""
         if not isinstance(self.budget, Bytes):
             return 0
         measured = self.body.gradient_temp_bytes(self.backend)
         return 0 if measured is None else max(0, measured - self.sizes.in_flight)
+
+    @functools.cached_property
+    def one_step(self) -> int | None:
+        """Under a byte budget, what a nest of one-step segments holds beyond its count
+        (negative: short of it): XLA's bytes for a few steps of
+        ``lax.scan(jax.checkpoint(step))`` (`Body.per_step_temp_bytes`), the same
+        program, less the count of that plan. XLA keeps less than the count where it
+        does not hold every residual at once, more where it keeps a wide intermediate's
+        cotangent beside them. None under a slot budget, and where the steps cannot be
+        compiled alone (`StaticPlan.one_step_bytes`)."""
+        if not isinstance(self.budget, Bytes):
+            return None
+        n = max(2, min(_SHORT_LOOP, self.num_steps))
+        measured = self.body.per_step_temp_bytes(self.backend, n)
+        if measured is None:
+            return None
+        return (
+            measured
+            - StaticPlan(((n, 1),), **_plan_bytes(self.sizes)).peak_bytes
+            - (_static_fixed(self.sizes))
+        )
 
     def slots_within(self, slots: int, per_slot: int, fixed: int) -> int:
         """At most ``slots``, at least one, of ``per_slot`` bytes each beside ``fixed``
@@ -221,12 +247,17 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
     assert request.memory is not None  # memory=None is lax.scan, which plans nothing
     budget = request.memory if isinstance(request.memory, Bytes) else slots
     profile = step_profile(body)
-    step = step_seconds(profile.flops, profile.bytes, profile.ops, backend)
+    hoisted = profile.hoisted
+    step = step_seconds(
+        profile.flops - hoisted[0], profile.bytes - hoisted[1], profile.ops - hoisted[2], backend
+    )
+    again = step_seconds(*hoisted, backend)
     sizes = _static_sizes(body, spec, profile)
     dataflow = dataflow_loops(profile.matmuls, sum(body.carry_mask), profile.bytes, backend)
     return _Fit(
-        body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step, dataflow
-    )
+        body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step, dataflow,
+        again,
+    )  # fmt: skip
 
 
 # The static nests.
@@ -251,12 +282,13 @@ def _static_fit(fit: _Fit) -> Choice | None:
     if isinstance(fit.budget, Bytes) and fit.budget.num_bytes >= everything:
         room = math.inf  # room for lax.scan's own memory: store every step
     seconds = functools.partial(
-        _static_seconds, step=fit.step, backend=fit.backend, dataflow=fit.dataflow
-    )
+        _static_seconds, step=fit.step, again=fit.again, backend=fit.backend,
+        dataflow=fit.dataflow,
+    )  # fmt: skip
     prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
-    if prog is not None and prog.one_step_segments and fit.gradient_over:
-        # Its one-step segments hold a step's gradient as compiled: plan again, counting it.
-        sizes = dataclasses.replace(sizes, one_step=fit.gradient_over)
+    if _one_step_matters(fit, prog, room) and fit.one_step is not None:
+        # One-step segments hold a step's gradient as compiled: plan again, counting it.
+        sizes = dataclasses.replace(sizes, one_step=fit.one_step)
         room, kinds = _static_budget(fit.budget, fit.slots, sizes)
         prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
     if prog is None:
@@ -277,6 +309,18 @@ def _static_fit(fit: _Fit) -> Choice | None:
         prog.loop_iterations, full.peak_bytes + _static_fixed(sizes),
         seconds(prog), prog, lambda: nest_schedule(prog), why[0].upper() + why[1:] + ".",
     )  # fmt: skip
+
+
+def _one_step_matters(fit: _Fit, prog: StaticPlan | None, room: float) -> bool:
+    """Whether a nest of one-step segments, measured (`_Fit.one_step`), can change the
+    static plan under a byte budget: ``prog`` has one-step segments, or the per-step
+    idiom's own plan (every step's start stored, each step run again alone) might fit,
+    its starts alone being within the budget."""
+    if not isinstance(fit.budget, Bytes) or room == math.inf:
+        return False
+    if prog is not None and prog.one_step_segments:
+        return True
+    return fit.num_steps > 1 and fit.num_steps * fit.sizes.start <= fit.budget.num_bytes
 
 
 def _static_unavailable(body: Body) -> tuple:
@@ -366,7 +410,7 @@ def _static_fixed(sizes: _Sizes) -> int:
 
 
 def _no_static_plan(fit: _Fit) -> str:
-    budget, sizes = fit.budget, dataclasses.replace(fit.sizes, one_step=fit.gradient_over)
+    budget, sizes = fit.budget, dataclasses.replace(fit.sizes, one_step=fit.one_step or 0)
     room, kinds = _static_budget(budget, fit.slots, sizes)
     smallest = plan_static(fit.num_steps, math.inf, **kinds, fewest_bytes=True)
     assert smallest is not None  # nothing bounds it
@@ -384,13 +428,14 @@ def _no_static_plan(fit: _Fit) -> str:
 
 
 def _static_seconds(
-    plan: StaticPlan, *, step: float, backend: str, dataflow: tuple[bool, bool]
+    plan: StaticPlan, *, step: float, again: float, backend: str, dataflow: tuple[bool, bool]
 ) -> float:
     """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``,
     whose separate and fused loops run as dataflow graphs as ``dataflow`` says
-    (`dataflow_loops`)."""
+    (`dataflow_loops`); a fused iteration (a one-step segment's, run again under remat
+    and back-propagated) also does ``again`` seconds of work that the loops hoist."""
     separate, fused = plan.step_iterations
-    return loop_seconds(
+    return fused * again + loop_seconds(
         plan.evaluations,
         plan.loop_iterations,
         "static",

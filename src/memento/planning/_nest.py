@@ -67,9 +67,12 @@ class StaticPlan:
             nest is back-propagated: the leaves a step casts to a wider dtype, which XLA
             may cast for the whole stack at once, out of the backward loop.
         one_step_bytes: what a one-step segment back-propagated holds beyond the step
-            in flight that the caller's working set counts, in a plan that has any (a
-            nest whose innermost segments are single steps): its step runs again and is
-            back-propagated at once, as one step's gradient compiled alone.
+            in flight that the caller's working set counts (negative: short of it), in a
+            plan that has any (a nest whose innermost segments are single steps): its
+            step runs again and is back-propagated at once, as one step's gradient
+            compiled alone. A plan of such nests only adds it; one that also
+            back-propagates longer segments or steps stored whole, which hold the
+            counted step, adds it only where it is positive.
     """
 
     pieces: tuple[tuple[int, ...], ...]
@@ -123,7 +126,10 @@ class StaticPlan:
                 peak = max(peak, held + _piece_peak(p, c, r, c1) + extra + apart)
             held += kept
         peak += self.loop_bytes if self.inner_loops else 0
-        return peak + (self.one_step_bytes if self.one_step_segments else 0)
+        if not self.one_step_segments:
+            return peak
+        only = all(len(p) > 1 and p[-1] == 1 for p in self.pieces)
+        return peak + (self.one_step_bytes if only else max(0, self.one_step_bytes))
 
     @property
     def one_step_segments(self) -> bool:
@@ -174,11 +180,14 @@ class StaticPlan:
         return separate, fused
 
     def spilled_bytes(self, cache: float) -> int:
-        """Bytes of internal states stored in stacks larger than ``cache``: those of the
-        pieces stored whole, and of every innermost segment, that outgrow it (a step's
-        are stored once, and read back once, in either)."""
+        """Bytes stored in stacks larger than ``cache``: the internal states of the
+        pieces stored whole, and of every innermost segment, that outgrow it, and a
+        nest's outer starts where they do (each stored once, and read back once)."""
         r = self.residual_bytes
-        return sum(math.prod(p) * r for p in self.pieces if p[-1] * r > cache)
+        c1 = self.carry_bytes if self.start_bytes is None else self.start_bytes
+        states = sum(math.prod(p) * r for p in self.pieces if p[-1] * r > cache)
+        starts = sum(p[0] * c1 for p in self.pieces if len(p) > 1 and p[0] * c1 > cache)
+        return states + starts
 
     @property
     def rewritten_bytes(self) -> int:
@@ -486,6 +495,7 @@ def plan_static(
             if inner[-1] > 1 and inner[-1] * r > budget_bytes:
                 continue
             starts = max(0, num_steps // math.prod(inner) - 2) * min(c, c1)
+            starts += min(0, int(one_step_bytes))  # a one-step segment may count less
             if starts <= budget_bytes:
                 consider_nest(functools.partial(_nest_pieces, inner=inner))
                 if depth == 2:
