@@ -822,8 +822,13 @@ def _aval(x):
 
 def _temp_bytes(f: Callable, *args) -> int | None:
     """XLA's temporary bytes for ``f`` compiled for ``args`` (None where the backend
-    reports no memory analysis)."""
-    analysis = jax.jit(f).lower(*args).compile().memory_analysis()
+    reports no memory analysis). On CPU without LLVM's optimisations: they come after
+    buffer assignment, and take about 40% of the compile."""
+    lowered = jax.jit(f).lower(*args)
+    leaves = jax.tree_util.tree_leaves(args)
+    cpu = all(d.platform == "cpu" for a in leaves for d in a.sharding.device_set)
+    options = {"xla_backend_optimization_level": 0} if cpu else None
+    analysis = lowered.compile(options).memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 

@@ -222,7 +222,13 @@ def choose(
     # Each loop evaluates every step at least once, in one iteration each.
     if static is not None and static.seconds <= fit.seconds(num_steps, num_steps, "recursion"):
         return fit.spec, static
-    loop = _loop_fit(fit)
+    # A loop's fit before its step is measured is its fastest: measured, a step only
+    # takes more of the budget. A static nest faster than that needs no measurement.
+    loop = _loop_fit(fit, measured=False)
+    if static is not None and static.seconds <= loop.seconds:
+        return fit.spec, static
+    if fit.gradient_over:
+        loop = _loop_fit(fit)
     return fit.spec, static if static is not None and static.seconds <= loop.seconds else loop
 
 
@@ -286,11 +292,16 @@ def _static_fit(fit: _Fit) -> Choice | None:
         dataflow=fit.dataflow,
     )  # fmt: skip
     prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
-    if _one_step_matters(fit, prog, room) and fit.one_step is not None:
-        # One-step segments hold a step's gradient as compiled: plan again, counting it.
+
+    def plan(one_step: int) -> StaticPlan | None:
+        return plan_static(
+            fit.num_steps, room, **(kinds | {"one_step_bytes": one_step}), seconds=seconds
+        )
+
+    if _one_step_matters(fit, prog, room, plan) and fit.one_step is not None:
+        # One-step segments as XLA compiles them: plan again, counting that.
         sizes = dataclasses.replace(sizes, one_step=fit.one_step)
-        room, kinds = _static_budget(fit.budget, fit.slots, sizes)
-        prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
+        prog = plan(fit.one_step)
     if prog is None:
         if forced:
             raise ValueError(_no_static_plan(fit))
@@ -311,16 +322,21 @@ def _static_fit(fit: _Fit) -> Choice | None:
     )  # fmt: skip
 
 
-def _one_step_matters(fit: _Fit, prog: StaticPlan | None, room: float) -> bool:
+def _one_step_matters(fit: _Fit, prog: StaticPlan | None, room: float, plan: Callable) -> bool:
     """Whether a nest of one-step segments, measured (`_Fit.one_step`), can change the
-    static plan under a byte budget: ``prog`` has one-step segments, or the per-step
-    idiom's own plan (every step's start stored, each step run again alone) might fit,
-    its starts alone being within the budget."""
-    if not isinstance(fit.budget, Bytes) or room == math.inf:
+    static plan ``prog`` under a byte budget (``plan(one_step_bytes)`` plans again):
+    ``prog`` has one-step segments, or the plan differs where such a nest holds no more
+    than its stored starts, the least a measurement can give."""
+    if not isinstance(fit.budget, Bytes) or room == math.inf or fit.num_steps < 2:
         return False
     if prog is not None and prog.one_step_segments:
         return True
-    return fit.num_steps > 1 and fit.num_steps * fit.sizes.start <= fit.budget.num_bytes
+    if fit.num_steps * fit.sizes.start > fit.budget.num_bytes:
+        return False  # every step's start alone exceeds the budget
+    n = min(_SHORT_LOOP, fit.num_steps)
+    short = StaticPlan(((n, 1),), **_plan_bytes(fit.sizes))
+    least = plan(n * fit.sizes.start - short.peak_bytes - _static_fixed(fit.sizes))
+    return least is not None and (prog is None or least.pieces != prog.pieces)
 
 
 def _static_unavailable(body: Body) -> tuple:
@@ -451,9 +467,11 @@ def _static_seconds(
 # The loops: the schedule's rows and HSM's recursion.
 
 
-def _loop_fit(fit: _Fit) -> Choice:
-    """The loop the policy picks for the budget: the recursion or the rows."""
-    request, fit = fit.request, _gradient_measured(fit)
+def _loop_fit(fit: _Fit, measured: bool = True) -> Choice:
+    """The loop the policy picks for the budget: the recursion or the rows; with
+    ``measured``, a step's working set as XLA compiles it where that is larger
+    (`_Fit.gradient_over`)."""
+    request, fit = fit.request, _gradient_measured(fit) if measured else fit
     if request.executor == "recursion":
         return _recursion_fit(fit, "asked for")
     slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
