@@ -168,15 +168,17 @@ class _Fit:
         compiled alone (`StaticPlan.one_step_bytes`)."""
         if not isinstance(self.budget, Bytes):
             return None
-        n = max(2, min(_SHORT_LOOP, self.num_steps))
+        n, count = self.short_loop
         measured = self.body.per_step_temp_bytes(self.backend, n)
-        if measured is None:
-            return None
-        return (
-            measured
-            - StaticPlan(((n, 1),), **_plan_bytes(self.sizes)).peak_bytes
-            - (_static_fixed(self.sizes))
-        )
+        return None if measured is None else measured - count
+
+    @property
+    def short_loop(self) -> tuple[int, int]:
+        """The steps of the per-step idiom that `one_step` compiles, and the count of
+        that plan (every step's start stored, each run again alone)."""
+        n = max(2, min(_SHORT_LOOP, self.num_steps))
+        plan = StaticPlan(((n, 1),), **_plan_bytes(self.sizes))
+        return n, plan.peak_bytes + _static_fixed(self.sizes)
 
     def slots_within(self, slots: int, per_slot: int, fixed: int) -> int:
         """At most ``slots``, at least one, of ``per_slot`` bytes each beside ``fixed``
@@ -333,9 +335,8 @@ def _one_step_matters(fit: _Fit, prog: StaticPlan | None, room: float, plan: Cal
         return True
     if fit.num_steps * fit.sizes.start > fit.budget.num_bytes:
         return False  # every step's start alone exceeds the budget
-    n = min(_SHORT_LOOP, fit.num_steps)
-    short = StaticPlan(((n, 1),), **_plan_bytes(fit.sizes))
-    least = plan(n * fit.sizes.start - short.peak_bytes - _static_fixed(fit.sizes))
+    n, count = fit.short_loop
+    least = plan(n * fit.sizes.start - count)
     return least is not None and (prog is None or least.pieces != prog.pieces)
 
 
