@@ -432,7 +432,7 @@ def test_the_step_profile_tells_the_intermediates_of_the_weights_alone_apart():
     # ``varying`` is the largest intermediate that depends on the carry or x: a weight's
     # cast (of the weights alone, through a call too) is not, however large; a literal
     # operand does not make a value depend on the step.
-    from memento.loops._body import make_body, step_profile
+    from memento.loops._body import Work, make_body, step_profile
 
     w = jnp.ones((256, 256), jnp.float32)
     vec = jnp.ones(256, jnp.float32)
@@ -445,8 +445,13 @@ def test_the_step_profile_tells_the_intermediates_of_the_weights_alone_apart():
     profile = step_profile(make_body(cell, vec, vec, name="t"))
     assert profile.largest == w.nbytes // 2  # the cast weight
     assert profile.varying == vec.nbytes  # z, the tanh: the step's own
+    # The cast and the scaling, on the weights alone: work a loop of steps hoists (the
+    # scaling reads the cast weight and the literal, a bfloat16 scalar).
+    cast = w.nbytes // 2
+    assert profile.hoisted == Work(2 * w.size, w.nbytes + cast + (cast + 2 + cast), 2)
     plain = step_profile(make_body(lambda h, x: (jnp.tanh(w @ h + x), x), vec, vec, name="t"))
     assert plain.varying == plain.largest == vec.nbytes
+    assert plain.hoisted == Work()
 
 
 def test_the_step_profile_leaves_out_what_xla_reduces_in_place():

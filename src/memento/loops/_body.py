@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -427,6 +427,18 @@ class Body:
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
 
+class Work(NamedTuple):
+    """Work of a step or part of one: ``flops``, ``bytes`` touched, ``ops``."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+
+    def plus(self, other: Work, times: int = 1) -> Work:
+        """This work and ``times`` times ``other``."""
+        return Work(*(a + times * b for a, b in zip(self, other)))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepProfile:
     """What one primal step does, counted on its jaxpr (loops inside it by their trip
@@ -438,7 +450,7 @@ class StepProfile:
     convolutions, ``varying``, the bytes of its largest intermediate that depends on
     the carry or ``x`` (not on the closed-over arrays alone), ``widened``, the bytes
     of the carry leaves it casts to a wider dtype, as cast (see `step_profile`), and
-    ``hoisted``, the ``(flops, bytes, ops)`` of those counts spent on values of the
+    ``hoisted``, the `Work` of those counts spent on values of the
     closed-over arrays alone (a weight cast or transposed), which XLA hoists out of a
     loop of steps but not out of a step run again under ``jax.checkpoint``."""
 
@@ -450,7 +462,7 @@ class StepProfile:
     matmuls: int = 0
     varying: int = 0
     widened: int = 0
-    hoisted: tuple[float, float, int] = (0.0, 0.0, 0)
+    hoisted: Work = dataclasses.field(default_factory=Work)
 
 
 # Ops that pass a closed-over array on as it is, but for its layout or dtype: a matrix
@@ -498,7 +510,7 @@ def _profile(
     product's other operand); ``fixed``: the values computed from the closed-over
     arrays alone."""
     flops, nbytes_, ops, largest, products, matmuls, varying = 0.0, 0.0, 0, 0, 0, 0, 0
-    hoisted = (0.0, 0.0, 0)
+    hoisted = Work()
     tracked, cast, fixed = set(tracked), set(cast), set(fixed)
     reduced = _reduced_away(jaxpr)
     for eqn in jaxpr.eqns:
@@ -520,7 +532,7 @@ def _profile(
                 ops, largest = ops + times * q.ops, max(largest, q.largest)
                 products, matmuls = products + times * q.products, matmuls + times * q.matmuls
                 varying = max(varying, q.varying)
-                hoisted = tuple(a + times * b for a, b in zip(hoisted, q.hoisted))
+                hoisted = hoisted.plus(q.hoisted, times)
             if _of_fixed(eqn, fixed):
                 fixed.update(eqn.outvars)
             continue
@@ -544,7 +556,7 @@ def _profile(
         largest = max([largest, *held])
         if _of_fixed(eqn, fixed):
             fixed.update(eqn.outvars)
-            hoisted = (hoisted[0] + size, hoisted[1] + touched, hoisted[2] + 1)
+            hoisted = hoisted.plus(Work(size, touched, 1))
         else:
             varying = max([varying, *held])
     return StepProfile(flops, nbytes_, ops, largest, products, matmuls, varying, hoisted=hoisted)

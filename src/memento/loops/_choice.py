@@ -257,8 +257,9 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
     profile = step_profile(body)
     hoisted = profile.hoisted
     step = step_seconds(
-        profile.flops - hoisted[0], profile.bytes - hoisted[1], profile.ops - hoisted[2], backend
-    )
+        profile.flops - hoisted.flops, profile.bytes - hoisted.bytes, profile.ops - hoisted.ops,
+        backend,
+    )  # fmt: skip
     again = step_seconds(*hoisted, backend)
     sizes = _static_sizes(body, spec, profile)
     dataflow = dataflow_loops(profile.matmuls, sum(body.carry_mask), profile.bytes, backend)
