@@ -4,6 +4,7 @@ evaluations it makes against its schedule's replay, byte budgets against XLA's o
 count, and the sizes at the extremes."""
 
 import functools
+import math
 import re
 
 import jax
@@ -787,3 +788,71 @@ def test_the_per_step_idioms_plan_is_counted_within_its_bytes(monkeypatch, name)
     assert plan.program_bytes <= idiom, (plan.program_bytes, idiom)
     _assert_counted_closely(compiled, plan.program_bytes)
     assert compiled <= idiom * 1.05 + 4096
+
+
+def test_the_rows_floor_bounds_every_schedule_on_the_rows():
+    # `rows_floor` lets `auto` rule the rows out before planning a schedule: every
+    # schedule of every policy takes at least its evaluations, primal rows and bytes of
+    # rows for the internal states its slots can hold, and some schedule takes exactly
+    # that (the floor is tight).
+    from memento.loops._interpreter import compile_schedule, rows_floor
+    from memento.planning.internals import choose_schedule
+
+    slack = [math.inf] * 3
+    for num_steps in (1, 2, 3, 10, 100, 1000):
+        for alpha in (1, 2, 5):
+            slots = {1, 2, 3, 10, 100, num_steps, num_steps * alpha, num_steps * alpha + 1}
+            for m in sorted(slots):
+                for policy in ("auto", "hsm", "ism", "msm"):
+                    try:
+                        s = choose_schedule(num_steps, m, alpha, policy, name="t", charges=None)
+                    except ValueError:
+                        continue  # too few slots for ISM
+                    prog = compile_schedule(s)
+                    floor = rows_floor(num_steps, m // alpha)
+                    got = (s.cost, len(prog.primal_rows), prog.runtime_bytes)
+                    least = (floor.evaluations, floor.primal_rows, floor.runtime_bytes)
+                    assert all(g >= f for g, f in zip(got, least)), (num_steps, m, policy)
+                    slack = [min(a, g - f) for a, g, f in zip(slack, got, least)]
+    assert slack == [0, 0, 0]
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_a_long_loop_does_not_plan_rows_that_cannot_win(monkeypatch):
+    # At 10^6 steps a schedule on the rows takes seconds to plan. Where the least the rows
+    # could take (their floor) cannot beat the static nest, or does not fit the byte
+    # budget, `auto` plans none; where they can, the floors change no pick.
+    planned = []
+    for name in ("choose_schedule", "choose_policy"):
+        planner = getattr(_choice, name)
+        spy = lambda *a, planner=planner, **k: planned.append(a) or planner(*a, **k)
+        monkeypatch.setattr(_choice, name, spy)
+    w = jnp.ones((64, 64), jnp.float32) / 80
+    h0 = jnp.zeros((64, 64), jnp.float32)
+    cell = lambda h, x: (jnp.tanh(h @ w + x[:, None]),) * 2
+
+    def loss(w, xs, memory):
+        h, ys = memento.scan(
+            lambda h, x: (jnp.tanh(h @ w + x[:, None]),) * 2, h0, xs, memory=memory
+        )
+        return jnp.sum(ys) + jnp.sum(h)
+
+    xs = jax.ShapeDtypeStruct((10**6, 64), jnp.float32)
+    for memory in ("8MiB", "256MiB"):  # below the rows' own bytes; above them
+        jax.jit(jax.grad(loss), static_argnums=2).lower(w, xs, memory)
+    assert planned == []
+    # The recursion, a nest, MSM's and ISM's schedules on the rows.
+    picks = set()
+    for num_steps, memory in ((300, 294912), (300, 1474560), (3000, 2949120), (3000, 103219200)):
+        xs = jnp.zeros((num_steps, 64), jnp.float32)
+        plans = []
+        for floors in (True, False):
+            with monkeypatch.context() as m:
+                if not floors:
+                    m.setattr(_choice, "_rows_floor_seconds", lambda fit: -math.inf)
+                    m.setattr(_choice, "_rows_floor_bytes", lambda fit: 0)
+                p = memento.explain(cell, h0, xs, memory=f"{memory}B", wrt=("closure",))
+                plans.append((p.executor, p.policy, p.slots, p.evaluations, p.program_bytes))
+        assert plans[0] == plans[1], (num_steps, memory, plans)
+        picks.add(plans[0][:2])
+    assert picks == {("recursion", "hsm"), ("static", "nest"), ("rows", "msm"), ("rows", "ism")}

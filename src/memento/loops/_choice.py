@@ -33,7 +33,7 @@ from ..planning.internals import (
 )
 from ._body import Body, ResidualSpec, StepProfile, nbytes, recomputed_bytes, split, step_profile
 from ._budget import Bytes, Percent, choose_policy, choose_schedule, internal_slots, to_slots
-from ._interpreter import Program, compile_schedule, pool_bytes
+from ._interpreter import Program, compile_schedule, pool_bytes, rows_floor
 from ._pool import checks_enabled, varying
 
 
@@ -226,11 +226,12 @@ def choose(
         return fit.spec, static
     # A loop's fit before its step is measured is its fastest: measured, a step only
     # takes more of the budget. A static nest faster than that needs no measurement.
-    loop = _loop_fit(fit, measured=False)
+    beat = math.inf if static is None else static.seconds
+    loop = _loop_fit(fit, measured=False, beat=beat)
     if static is not None and static.seconds <= loop.seconds:
         return fit.spec, static
     if fit.gradient_over:
-        loop = _loop_fit(fit)
+        loop = _loop_fit(fit, beat=beat)
     return fit.spec, static if static is not None and static.seconds <= loop.seconds else loop
 
 
@@ -469,13 +470,20 @@ def _static_seconds(
 # The loops: the schedule's rows and HSM's recursion.
 
 
-def _loop_fit(fit: _Fit, measured: bool = True) -> Choice:
+def _loop_fit(fit: _Fit, measured: bool = True, beat: float = math.inf) -> Choice:
     """The loop the policy picks for the budget: the recursion or the rows; with
     ``measured``, a step's working set as XLA compiles it where that is larger
-    (`_Fit.gradient_over`)."""
+    (`_Fit.gradient_over`). Under a byte budget, where ``auto`` weighs the recursion
+    against the rows, the rows are not planned where the least they could take
+    (`rows_floor`) is ``beat`` seconds or more (a static nest's), or more bytes than
+    the budget: at 10^6 steps planning them takes seconds."""
     request, fit = fit.request, _gradient_measured(fit) if measured else fit
     if request.executor == "recursion":
         return _recursion_fit(fit, "asked for")
+    if isinstance(fit.budget, Bytes) and _rows_floor_seconds(fit) >= beat:
+        return _recursion_fit(fit, _ROWS_SLOWER)
+    if request.executor == "auto" and not _rows_fit_bytes(fit):
+        return _recursion_fit(fit, _ROWS_OVER)
     slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
     charges = auto_charges(fit.num_steps, request.executor, fit.backend)
     chosen = choose_policy(
@@ -490,8 +498,7 @@ def _loop_fit(fit: _Fit, measured: bool = True) -> Choice:
         slots = min(slots, useful_slots(fit.num_steps, fit.alpha, "hsm"))
     rows = _rows_fit(fit, slots, charges)
     if rows is None:  # auto: the rows do not fit a byte budget; the recursion keeps none
-        reason = "the schedule's rows would not fit the byte budget; the recursion keeps none"
-        return _recursion_fit(fit, reason)
+        return _recursion_fit(fit, _ROWS_OVER)
     hsm = request.policy in ("auto", "hsm")
     if request.executor == "auto" and hsm and isinstance(fit.budget, Bytes):
         # The rows take bytes that the recursion keeps as slots.
@@ -508,6 +515,41 @@ def _gradient_measured(fit: _Fit) -> _Fit:
         return fit
     sizes = dataclasses.replace(fit.sizes, fixed=fit.sizes.fixed + fit.gradient_over)
     return dataclasses.replace(fit, sizes=sizes)
+
+
+def _sweep_internal(fit: _Fit) -> int:
+    """The most internal states a schedule on the rows can save in its first sweep:
+    those its slots (or its bytes, beside the working set) hold."""
+    if isinstance(fit.budget, Bytes):
+        return max(0, fit.budget.num_bytes - fit.sizes.fixed) // max(1, fit.sizes.residual)
+    return fit.slots // fit.alpha
+
+
+def _rows_floor_seconds(fit: _Fit) -> float:
+    """The least seconds any schedule on the rows could take in this budget."""
+    floor = rows_floor(fit.num_steps, _sweep_internal(fit))
+    return fit.seconds(floor.evaluations, floor.evaluations + floor.primal_rows, "rows")
+
+
+_ROWS_OVER = "the schedule's rows would not fit the byte budget; the recursion keeps none"
+_ROWS_SLOWER = "predicted faster than the static nests, which the schedule's rows cannot be"
+
+
+def _rows_floor_bytes(fit: _Fit) -> int:
+    """The least bytes of rows and pools any schedule on the rows takes (the internal
+    states its sweep saves, each ``residual`` bytes, save primal rows)."""
+    r = fit.sizes.residual
+    return min(
+        rows_floor(fit.num_steps, i).runtime_bytes + i * r for i in (0, _sweep_internal(fit))
+    )
+
+
+def _rows_fit_bytes(fit: _Fit) -> bool:
+    """Whether some schedule's rows and pools could fit a byte budget beside the working
+    set (`_rows_floor_bytes`); True under a slot budget."""
+    if not isinstance(fit.budget, Bytes):
+        return True
+    return _rows_floor_bytes(fit) <= fit.budget.num_bytes - fit.sizes.fixed
 
 
 def _rows_fit(fit: _Fit, slots: int, charges) -> Choice | None:

@@ -156,6 +156,37 @@ class Program:
         return bool((self.host_save_hidden[:, 0] >= 0).any())
 
 
+@dataclasses.dataclass(frozen=True)
+class RowsFloor:
+    """The least any one-level schedule of ``num_steps`` steps that saves at most
+    ``internal`` internal states in its first sweep costs, compiled to a `Program`
+    (`rows_floor`): ``evaluations`` of the step, ``primal_rows``, and the rows'
+    ``runtime_bytes`` (`Program.runtime_bytes`)."""
+
+    evaluations: int
+    primal_rows: int
+    runtime_bytes: int
+
+
+# A primal row, and a step's backward row with its entry in ``segment_end`` (int32 each).
+_PRIMAL_ROW_BYTES = 16
+_BACKWARD_ROW_BYTES = 20
+
+
+def rows_floor(num_steps: int, internal: int) -> RowsFloor:
+    """What every schedule of ``num_steps`` steps saving at most ``internal`` internal
+    states in its first sweep takes at least, so the rows can be ruled out before a
+    schedule is planned (at 10^6 steps that takes seconds).
+
+    Each step's backward needs its internal state: saved in the sweep, or computed once
+    more after it (one evaluation, after a primal row that loads a state or advances to
+    it), but for the last step's, which the sweep may hand to its backward as it is. Each
+    step has a backward row; the tables of saves have a sentinel per kind."""
+    again = max(0, num_steps - 1 - max(0, internal))
+    runtime = _BACKWARD_ROW_BYTES * num_steps + _PRIMAL_ROW_BYTES * again + 3 * 4 * 4
+    return RowsFloor(num_steps + again, again, runtime)
+
+
 def compile_schedule(schedule: Schedule) -> Program:
     """Turns a schedule into a `Program`, in vectorised NumPy (O(rows), no Python loop).
 
