@@ -252,3 +252,16 @@ def test_at_checkpoint_per_steps_bytes_a_state_and_its_velocity_run_that_idiom()
         got = jax.grad(functools.partial(loss, run=at))(w64, xs64)
         want = jax.grad(functools.partial(loss, run=jax.lax.scan))(w64, xs64)
         np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_long_loops_plan_writes_its_schedule_only_when_read():
+    # A static plan at 10^6 steps is planned in well under a second; its schedule rows,
+    # written in Python, take seconds more: explain writes them when they are read.
+    w, h0, xs = _inputs(10**6)
+    plan = memento.explain(lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs, memory="64KiB")
+    assert plan.executor == "static" and "schedule" not in vars(plan)
+    assert "schedule" not in repr(plan)
+    w, h0, xs = _inputs(10**4)
+    plan = memento.explain(lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs, memory="16KiB")
+    rows = plan.schedule
+    assert plan.schedule is rows and rows.num_steps == 10**4 and rows.cost == plan.evaluations

@@ -63,8 +63,8 @@ class Choice:
         """This choice as `memento.explain` shows it."""
         return Plan(
             request, backend, num_steps, self.executor, self.policy, self.slots,
-            self.evaluations, self.iterations, self.program_bytes, self.seconds,
-            self.schedule(), self.why,
+            self.evaluations, self.iterations, self.program_bytes, self.seconds, self.why,
+            make_schedule=self.schedule,
         )  # fmt: skip
 
 

@@ -15,7 +15,9 @@ The backend a plan is timed for is an argument everywhere (`recursion_min_steps`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Literal, cast
 
 from ._auto import Charges, Policy, check_policy
@@ -292,8 +294,8 @@ class Plan:
             set, as the planner counts them to fit a byte budget.
         seconds: predicted seconds of one gradient by the time model (coarse: it orders
             plans, it does not time them).
-        schedule: the plan as schedule rows, which `simulate` replays.
         why: one line on why this executor was chosen.
+        make_schedule: writes ``schedule``.
     """
 
     request: Request
@@ -306,8 +308,16 @@ class Plan:
     loop_iterations: float
     program_bytes: int
     seconds: float
-    schedule: Schedule
     why: str
+    make_schedule: Callable[[], Schedule] = dataclasses.field(
+        repr=False, compare=False, kw_only=True
+    )
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The plan as schedule rows, which `simulate` replays; written when first read
+        (a static plan's rows at 10^6 steps take seconds to write)."""
+        return self.make_schedule()
 
     @property
     def recomputation(self) -> float:
