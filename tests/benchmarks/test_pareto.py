@@ -133,3 +133,25 @@ def test_keep_going_records_a_mismatch_and_fails_the_method():
     assert errors["memento auto @ x"] == pytest.approx(0.01)
     # A bfloat16 body's tolerance admits it.
     assert pareto.check_gradients("here", peers, methods, rtol=pareto.BF16_RTOL)[2] == set()
+
+
+def test_first_calls_leave_out_a_lax_scan_past_the_machine(tmp_path, capsys):
+    # --first-call alone (no grid): lax.scan past --max-run-bytes is left out, and the
+    # times are compared with nested sqrt(T)'s.
+    out = tmp_path / "first.json"
+    argv = ["--steps", "", "--first-call", "--first-call-steps", "64", "--first-call-rounds"]
+    argv += ["1", "--threads", "all", "--out", str(out)]
+    for max_run in ("4e9", "1"):
+        data = pareto.main([*argv, "--max-run-bytes", max_run])
+        (fc,) = data["first_call"]
+        assert data["results"] == [] and fc["T"] == 64 and fc["lax_scan_temp_bytes"] > 0
+        m = fc["methods"]
+        if max_run == "4e9":
+            assert set(m) == {"lax.scan", "nested sqrt(T)", "memento auto"}
+            assert fc["memento_ok"] == (m["memento auto"]["vs_lax_scan"] <= 2.0)
+        else:
+            assert set(m) == {"nested sqrt(T)", "memento auto"} and fc["memento_ok"] is None
+            assert m["nested sqrt(T)"]["vs_nested"] == 1.0
+            assert "not run" in capsys.readouterr().out
+        for rec in m.values():
+            assert rec["first_s"] >= rec["lower_s"] + rec["compile_s"] > 0
