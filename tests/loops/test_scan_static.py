@@ -838,12 +838,14 @@ def test_a_long_loop_does_not_plan_rows_that_cannot_win(monkeypatch):
         return jnp.sum(ys) + jnp.sum(h)
 
     xs = jax.ShapeDtypeStruct((10**6, 64), jnp.float32)
-    for memory in ("8MiB", "256MiB"):  # below the rows' own bytes; above them
+    for memory in ("8MiB", "256MiB", 10000):  # below the rows' own bytes; above; slots
         jax.jit(jax.grad(loss), static_argnums=2).lower(w, xs, memory)
     assert planned == []
-    # The recursion, a nest, MSM's and ISM's schedules on the rows.
+    # The recursion, a nest, and each policy's schedule on the rows.
     picks = set()
-    for num_steps, memory in ((300, 294912), (300, 1474560), (3000, 2949120), (3000, 103219200)):
+    cases = [(300, 294912), (300, 1474560), (3000, 2949120), (3000, 103219200)]
+    cases += [(300, 4), (3000, 30), (3000, 2000), (3000, 8000)]  # slots
+    for num_steps, memory in cases:
         xs = jnp.zeros((num_steps, 64), jnp.float32)
         plans = []
         for floors in (True, False):
@@ -851,8 +853,10 @@ def test_a_long_loop_does_not_plan_rows_that_cannot_win(monkeypatch):
                 if not floors:
                     m.setattr(_choice, "_rows_floor_seconds", lambda fit: -math.inf)
                     m.setattr(_choice, "_rows_floor_bytes", lambda fit: 0)
-                p = memento.explain(cell, h0, xs, memory=f"{memory}B", wrt=("closure",))
+                budget = memory if memory < 10**5 else f"{memory}B"
+                p = memento.explain(cell, h0, xs, memory=budget, wrt=("closure",))
                 plans.append((p.executor, p.policy, p.slots, p.evaluations, p.program_bytes))
         assert plans[0] == plans[1], (num_steps, memory, plans)
         picks.add(plans[0][:2])
-    assert picks == {("recursion", "hsm"), ("static", "nest"), ("rows", "msm"), ("rows", "ism")}
+    rows = {("rows", "hsm"), ("rows", "msm"), ("rows", "ism")}
+    assert picks == {("recursion", "hsm"), ("static", "nest"), *rows}

@@ -473,15 +473,19 @@ def _static_seconds(
 def _loop_fit(fit: _Fit, measured: bool = True, beat: float = math.inf) -> Choice:
     """The loop the policy picks for the budget: the recursion or the rows; with
     ``measured``, a step's working set as XLA compiles it where that is larger
-    (`_Fit.gradient_over`). Under a byte budget, where ``auto`` weighs the recursion
-    against the rows, the rows are not planned where the least they could take
-    (`rows_floor`) is ``beat`` seconds or more (a static nest's), or more bytes than
-    the budget: at 10^6 steps planning them takes seconds."""
+    (`_Fit.gradient_over`). The rows are not planned where the least they could take
+    (`rows_floor`) is ``beat`` seconds or more (a static nest's) and the pick does not
+    depend on them, or (``auto``) more bytes than a byte budget: at 10^6 steps planning
+    them takes seconds."""
     request, fit = fit.request, _gradient_measured(fit) if measured else fit
     if request.executor == "recursion":
         return _recursion_fit(fit, "asked for")
-    if isinstance(fit.budget, Bytes) and _rows_floor_seconds(fit) >= beat:
-        return _recursion_fit(fit, _ROWS_SLOWER)
+    if _rows_floor_seconds(fit) >= beat:
+        # Under a byte budget auto weighs the recursion against the rows; under slots
+        # the policy may pick either, which matters only if the recursion is faster.
+        recursion = _recursion_fit(fit, _ROWS_SLOWER)
+        if isinstance(fit.budget, Bytes) or recursion.seconds >= beat:
+            return recursion
     if request.executor == "auto" and not _rows_fit_bytes(fit):
         return _recursion_fit(fit, _ROWS_OVER)
     slots = fit.slots_within(fit.slots, fit.sizes.carry, fit.sizes.fixed)  # and the working set
