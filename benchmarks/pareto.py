@@ -981,11 +981,14 @@ def markdown(data: dict) -> str:
         if machine.get("backend", "cpu") == "cpu"
         else f"{machine['backend'].upper()}: {', '.join(machine['devices'])}"
     )
-    lines = [
-        f"{where}; jax {machine.get('jax')}; {data['settings']['rounds']} rounds; {data['date']}.",
-        "",
-    ]
-    lines += headline(results)
+    settings = data["settings"]
+    rounds = (
+        f"{settings['rounds']} rounds"
+        if results
+        else f"{settings.get('first_call_rounds')} rounds of first calls"
+    )
+    lines = [f"{where}; jax {machine.get('jax')}; {rounds}; {data['date']}.", ""]
+    lines += headline(results) if results else []  # --steps "": first calls only
     titles = {
         "nested sqrt(T)": "memento at nested sqrt(T)'s bytes (targets: temp <= budget "
         "x 1.05 + 4 KiB, time <= 1.1x nested)",
@@ -994,7 +997,7 @@ def markdown(data: dict) -> str:
         "quarter nested": "memento at a quarter of nested sqrt(T)'s bytes (targets: "
         "temp <= budget x 1.05 + 4 KiB, time <= 1.6x nested)",
     }
-    for label, title in titles.items():
+    for label, title in titles.items() if results else ():
         idiom, _, reference, _ = BUDGETS[label]
         head = f"| body | T | {idiom}: temp, time | budget | " + " | ".join(EXECUTORS) + " |"
         lines += [
@@ -1016,12 +1019,16 @@ def markdown(data: dict) -> str:
                 + " |"
             )
         lines.append("")
-    lines += [
-        "### The peers: temp, time",
-        "",
-        "| body | T | " + " | ".join(PEERS) + " |",
-        "| --- | --- |" + " --- |" * len(PEERS),
-    ]
+    lines += (
+        [
+            "### The peers: temp, time",
+            "",
+            "| body | T | " + " | ".join(PEERS) + " |",
+            "| --- | --- |" + " --- |" * len(PEERS),
+        ]
+        if results
+        else []
+    )
     for r in results:
         cells = [
             f"{_size(r['peers'][p]['temp_bytes'])}, {_secs(r['peers'][p]['time_s'])}"
@@ -1146,6 +1153,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "steps": args.steps,
                 "bodies": args.bodies,
                 "rounds": args.rounds,
+                "first_call_rounds": args.first_call_rounds if args.first_call else None,
                 "min_round_s": args.min_round_s,
                 "executors": args.executors,
                 "max_run_bytes": args.max_run_bytes,

@@ -170,6 +170,20 @@ def test_benchmarks_reductions_tables_are_results_pareto_reductions_json():
         assert line in page, line
 
 
+def test_benchmarks_first_call_table_is_results_pareto_first_call_json():
+    # "First calls of bodies that take microseconds a step", rendered from its results.
+    import pareto
+
+    data = json.loads((ROOT / "benchmarks/results/pareto_first_call.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + len(data["first_call"])
+    for row in rows[2:]:
+        assert row in page, row
+    memento = [fc["methods"]["memento auto"] for fc in data["first_call"]]
+    assert all(m.get("vs_lax_scan", m["vs_nested"]) <= 2.0 for m in memento)
+
+
 def test_jax_guide_long_loop_table_is_results_long_json():
     results = json.loads((ROOT / "benchmarks/results/long.json").read_text())
     rows = {(r["method"], r["T"]): r for r in results["results"]}
