@@ -860,3 +860,93 @@ def test_a_long_loop_does_not_plan_rows_that_cannot_win(monkeypatch):
         picks.add(plans[0][:2])
     rows = {("rows", "hsm"), ("rows", "msm"), ("rows", "ism")}
     assert picks == {("recursion", "hsm"), ("static", "nest"), *rows}
+
+
+def _counted_cell(w):
+    """A state, a wide int32 count of its positive entries and a running sum: the count
+    and the sum are outputs no later step's residuals depend on."""
+
+    def cell(c, x):
+        h, count, total = c
+        h = jnp.tanh(w @ h + x)
+        count = count + (jnp.tile(h, 8) > 0).astype(jnp.int32)
+        return (h, count, total + jnp.sum(h)), h
+
+    return cell
+
+
+def test_the_kept_carry_leaves_are_those_later_residuals_depend_on():
+    # `ResidualSpec.kept`: from the leaves the residuals read, closed under what their
+    # next values read. A count read by no residual is left out; one that a `where`
+    # reads, or that feeds a leaf the residuals read, or that an effect reads, is kept.
+    from memento.loops._body import make_body
+
+    w, h0, xs = _params(3, h=4)
+    count0 = jnp.zeros(32, jnp.int32)
+
+    def kept(cell, c0):
+        return make_body(cell, c0, xs[0], name="t").residual_spec().kept
+
+    assert kept(_counted_cell(w), (h0, count0, jnp.zeros((), h0.dtype))) == (True, False, False)
+
+    def read_by_where(c, x):
+        h, n = c
+        return (jnp.tanh(jnp.where(n[:4] > 2, 0.5, 1.0) * (w @ h) + x), n + 1), h
+
+    assert kept(read_by_where, (h0, count0)) == (True, True)
+
+    def feeds(c, x):  # b's next value reads a, and the residuals read b
+        a, b = c
+        return (a * 0.9 + x, jnp.tanh(w @ b + a)), b
+
+    assert kept(feeds, (h0, h0)) == (True, True)
+
+    def printed(c, x):
+        h, n = c
+        jax.debug.callback(lambda n: None, n)
+        return (jnp.tanh(w @ h + x), n + 1), h
+
+    assert kept(printed, (h0, count0)) == (True, True)
+
+
+@pytest.mark.parametrize("memory", ["4%", 20, "8%", "6000B", "30000B"])
+def test_a_nest_stores_only_the_kept_carry_leaves_of_its_starts(memory):
+    # Each start of a nest keeps the state alone; a run again from it takes the count
+    # and the sum at the nest's first step (any values would do: nothing the backward
+    # pass reads depends on them). The outputs are lax.scan's, the count and the sum
+    # included, and the gradient too, in float64; the count is the program's.
+    w, h0, xs = _params(600, h=4)
+    c0 = (h0, jnp.zeros(32, jnp.int32), jnp.zeros((), h0.dtype))
+    cell = _counted_cell(w)
+
+    def loss(w, xs, scan):
+        (h, count, total), ys = scan(_counted_cell(w), c0, xs)
+        return jnp.sum(ys) + jnp.sum(h) + total, count
+
+    run = functools.partial(memento.scan, memory=memory, executor="static")
+    (value, count), grad = jax.value_and_grad(loss, (0, 1), has_aux=True)(w, xs, run)
+    (want, want_count), want_grad = jax.value_and_grad(loss, (0, 1), has_aux=True)(w, xs, lax.scan)
+    np.testing.assert_array_equal(count, want_count)
+    np.testing.assert_allclose(value, want, rtol=1e-12)
+    for g, r in zip(grad, want_grad):
+        np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
+    plan = memento.explain(cell, c0, xs, memory=memory, executor="static")
+    assert plan.policy == "nest"
+    if isinstance(memory, str) and memory.endswith("B"):
+        f = jax.grad(lambda w, xs: loss(w, xs, run)[0])
+        assert _temp(f, w, xs) <= plan.program_bytes * 1.05 + 4096
+
+
+def test_a_byte_budget_keeps_more_starts_of_a_carry_whose_count_no_derivative_reads():
+    # At the same bytes, a carry of a 4-float state and a 32-int count stores the starts
+    # of the state alone: as many segments as the state alone allows, not a fifth.
+    w, h0, xs = _params(3000, h=4)
+    count0 = jnp.zeros(32, jnp.int32)
+    alone = memento.explain(
+        lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs, memory="12KiB", executor="static"
+    )
+    with_count = memento.explain(
+        lambda c, x: ((jnp.tanh(w @ c[0] + x), c[1] + 1), c[0]), (h0, count0), xs,
+        memory="12KiB", executor="static",
+    )  # fmt: skip
+    assert with_count.evaluations == alone.evaluations, (alone.why, with_count.why)

@@ -90,7 +90,10 @@ class ResidualSpec:
     the body was traced: the same object in every step), ``("invariant", j)`` for the
     j-th output of ``invariant``, else ``("stored", j)``: the j-th stored residual.
     ``reads[i]``: whether the stored residuals depend on the i-th carry leaf (None: not
-    known, as if all do).
+    known, as if all do). ``kept[i]``: whether the residuals of later steps do, through
+    the carry (the least set of leaves that holds ``reads`` and every leaf the next
+    values of its own leaves depend on): a run of steps again from a start needs those
+    leaves only (None: not known, as if all do).
 
     ``forward`` is the probe's own trace, of ``(consts, carry, x)`` to ``(carry_out, y,
     stored)``: `Body.save` evaluates it rather than linearizing the step again, so every
@@ -108,6 +111,7 @@ class ResidualSpec:
     forward: Any
     captured: tuple[Any, ...] = ()
     reads: tuple[bool, ...] | None = None
+    kept: tuple[bool, ...] | None = None
     invariant: Any = None
     invariant_consts: tuple[bool, ...] = ()
 
@@ -319,9 +323,10 @@ class Body:
             kept = [o for o, f in zip(outvars[head:], fixed) if not f]
             traced = traced.replace(jaxpr=traced.jaxpr.replace(outvars=outvars[:head] + kept))
             closed = closed.replace(jaxpr=closed.jaxpr.replace(outvars=kept))
+        reads = _reads(closed, len(self.consts), self.carry_avals)
         return ResidualSpec(
-            found["treedef"], source, stored, traced, found["captured"],
-            reads=_reads(closed, len(self.consts), self.carry_avals),
+            found["treedef"], source, stored, traced, found["captured"], reads=reads,
+            kept=_kept(traced, len(self.consts), len(self.y_avals), reads),
             invariant=invariant, invariant_consts=consts_used,
         )  # fmt: skip
 
@@ -670,6 +675,26 @@ def _reads(closed, num_consts: int, carry_avals: Sequence) -> tuple[bool, ...] |
     k = len(closed.jaxpr.constvars)
     _, used = _dce_jaxpr(_constvars_in(closed.jaxpr), [True] * len(closed.jaxpr.outvars))
     return tuple(used[k + num_consts : k + num_consts + len(carry_avals)])
+
+
+def _kept(traced, num_consts: int, num_ys: int, reads) -> tuple[bool, ...] | None:
+    """The carry leaves that a run of steps from a start needs to give every step's
+    residuals (`ResidualSpec.kept`): from ``reads``, what the next values of the leaves
+    needed depend on, until nothing is added. ``traced`` maps ``(consts, carry, x)`` to
+    ``(carry_out, y, stored)``. Effects keep what they read (dead-code elimination keeps
+    them)."""
+    if _dce_jaxpr is None or reads is None:  # pragma: no cover - older or newer JAX
+        return None
+    jaxpr, k = _constvars_in(traced.jaxpr), len(traced.jaxpr.constvars)
+    num_carry = len(reads)
+    rest = len(jaxpr.outvars) - num_carry - num_ys
+    kept = list(reads)
+    while True:
+        _, used = _dce_jaxpr(jaxpr, kept + [False] * num_ys + [True] * rest)
+        more = [a or b for a, b in zip(kept, used[k + num_consts : k + num_consts + num_carry])]
+        if more == kept:
+            return tuple(kept)
+        kept = more
 
 
 def _invariants(closed, num_consts: int):

@@ -86,7 +86,9 @@ class _Sizes:
     intermediate, the weights' cotangents made as products, the residuals computed again
     from the closed-over arrays, XLA's small buffers), to which `_Fit.gradient_over`
     compares one step compiled alone; ``one_step`` what a nest of one-step segments
-    holds beyond its count (`_Fit.one_step`, `StaticPlan.one_step_bytes`)."""
+    holds beyond its count (`_Fit.one_step`, `StaticPlan.one_step_bytes`); ``kept`` what
+    a nest's stored start keeps (`ResidualSpec.kept`; the rest, ``carry - kept``, each
+    nest keeps once, `StaticPlan.fill_bytes`)."""
 
     carry: int
     residual: int
@@ -97,6 +99,7 @@ class _Sizes:
     accumulators: int
     loop: int
     start: int
+    kept: int
     carry_rewrite: int = 0
     residual_rewrite: int = 0
     widened: int = 0
@@ -380,13 +383,13 @@ def _static_sizes(body: Body, spec, profile: StepProfile) -> _Sizes:
     piece = 4 * carry + _CONTROL_BYTES // 2
     reads = spec.reads or [True] * len(body.carry_avals)
     start = nbytes([a for a, m in zip(body.carry_avals, reads) if m])
+    kept = split(body.carry_avals, spec.kept or [True] * len(body.carry_avals))[0]
     rewrite = [
-        nbytes([a for a in avals if a.dtype == jax.numpy.bfloat16])
-        for avals in (body.carry_avals, spec.stored)
+        nbytes([a for a in avals if a.dtype == jax.numpy.bfloat16]) for avals in (kept, spec.stored)
     ]
     return _Sizes(
         carry, residual, stream, working + consts, level, piece, consts, loop, start,
-        *rewrite, profile.widened, in_flight,
+        nbytes(kept), *rewrite, profile.widened, in_flight,
     )  # fmt: skip
 
 
@@ -413,6 +416,8 @@ def _plan_bytes(sizes: _Sizes, stored_only: bool = False) -> dict[str, int]:
     if stored_only:
         return stored
     return stored | {
+        "carry_bytes": sizes.kept,
+        "fill_bytes": sizes.carry - sizes.kept,
         "stream_bytes": sizes.stream,
         "level_bytes": sizes.level,
         "piece_bytes": sizes.piece,

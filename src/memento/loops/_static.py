@@ -10,8 +10,11 @@ the reverse loop adds the consts' cotangents into the running ones: no segment's
 a buffer of its own.
 
 Leaves are flat and split as the `Body` differentiates them: ``*_f`` leaves are
-differentiated (cotangents flow), the others are closed over. A segment's start is the
-full carry, so integer and other undifferentiated leaves are replayed exactly.
+differentiated (cotangents flow), the others are closed over. A segment's start keeps
+the carry's leaves that later steps' residuals depend on (`ResidualSpec.kept`); a run
+again from it fills the others with their values at the nest's first step, kept once
+(a counter or a log that no derivative reads is not stored per start). The residuals it
+gives are those of the forward pass: they depend on the kept leaves alone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..planning.internals import StaticPlan
-from ._body import Body, ResidualSpec, split
+from ._body import Body, ResidualSpec, merge, split
 from ._interpreter import read_index
 
 Leaves = list
@@ -58,32 +61,40 @@ def _counted(f: Callable, state, n: int, *, reverse: bool = False):
     return state, out
 
 
+def kept_mask(b: Body, spec: ResidualSpec) -> list[bool]:
+    """The carry leaves a nest's stored starts keep (`ResidualSpec.kept`)."""
+    return list(spec.kept or [True] * len(b.carry_avals))
+
+
 def forward(b: Body, spec: ResidualSpec, plan: StaticPlan, consts, init, xs, *, unroll: int = 1):
     """The forward pass: ``(carry, ys, saved)``, ``saved`` one entry per piece (the
-    stacked residuals of its steps, or the stacked starts of its outer segments)."""
+    stacked residuals of its steps, or the stacked starts of its outer segments, of
+    their kept leaves, and the others at the nest's first step)."""
     c, ys, saved, start = list(init), [], [], 0
+    mask = kept_mask(b, spec)
     for levels in plan.pieces:
         n = math.prod(levels)
         if len(levels) == 1:
             c, y, stored = _stored_run(b, spec, consts, c, xs, start, n, unroll)
             saved.append(stored)
         else:
-            c, y, starts = _forward_starts(b, consts, c, xs, start, levels, unroll)
-            saved.append(starts)
+            fill = split(c, mask)[1]
+            c, y, starts = _forward_starts(b, consts, c, xs, start, levels, unroll, mask)
+            saved.append((starts, fill))
         ys.append(y)
         start += n
     ys = [jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*ys)]
     return c, ys, saved
 
 
-def _forward_starts(b: Body, consts, c, xs, start, levels, unroll: int):
+def _forward_starts(b: Body, consts, c, xs, start, levels, unroll: int, mask):
     """A nest piece forward from step ``start``: its carry, ys, and the starts of its
-    ``K`` outer segments."""
+    ``K`` outer segments (their leaves in ``mask``)."""
     k, unit = levels[0], math.prod(levels[1:])
 
     def segment(c, i):
         c_end, y = _run(b, consts, c, xs, start + i * unit, unit, unroll)
-        return c_end, (c, y)
+        return c_end, (split(c, mask)[0], y)
 
     c, (starts, y) = _counted(segment, list(c), k)
     return c, [a.reshape(k * unit, *a.shape[2:]) for a in y], starts
@@ -108,10 +119,11 @@ def backward(
         if len(levels) == 1:
             state = _pull_steps(b, spec, consts, xs, ct_ys, kept, start, levels[0], state, unroll)
             continue
+        starts, fill = kept
         state = _backward_nest(
-            b, spec, consts, xs, ct_ys, levels, start, kept, state, unroll, spare
+            b, spec, consts, xs, ct_ys, levels, start, starts, fill, state, unroll, spare
         )
-        spare.extend(kept)
+        spare.extend(starts)
     ct_c, ct_k, ct_xs = state
     return ct_k, ct_c, ct_xs
 
@@ -142,9 +154,12 @@ def _digit(j, count: int, k: int):
     return lax.rem(q, jnp.int32(k))
 
 
-def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, state, unroll, spare):
+def _backward_nest(
+    b, spec, consts, xs, ct_ys, levels, start, outer_starts, fill, state, unroll, spare
+):
     """Back-propagate a nest piece of ``levels`` from step ``start``: one loop over its
-    innermost segments, last first.
+    innermost segments, last first. Its starts keep the carry's leaves in `kept_mask`;
+    a run from one takes the others from ``fill``.
 
     Segment ``j``'s index at each level is a digit of ``j`` in the mixed radix of the
     levels. Each inner level keeps the starts of sub-segments 2..K of the segment above
@@ -154,6 +169,7 @@ def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, stat
     one loop boundary, as in ``lax.scan``'s own backward.
     """
     *ks, inner = levels
+    mask = kept_mask(b, spec)
     units = [math.prod(levels[d + 1 :]) for d in range(len(ks))]  # steps per segment
     counts = [math.prod(ks[d + 1 :]) for d in range(len(ks))]  # innermost per segment
     carry0 = _at(outer_starts, 0)
@@ -168,7 +184,8 @@ def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, stat
 
         def one(i, state):
             c, buf = state
-            c, _ = _run(b, consts, c, xs, pos + i * unit, unit, unroll)
+            c, _ = _run(b, consts, merge(c, fill, mask), xs, pos + i * unit, unit, unroll)
+            c = split(c, mask)[0]
             return c, [_put(a, v, i) for a, v in zip(buf, c)]
 
         return lax.fori_loop(0, count, one, (list(c), buf))[1]
@@ -192,7 +209,7 @@ def _backward_nest(b, spec, consts, xs, ct_ys, levels, start, outer_starts, stat
             first = digits[d] == 0
             c = [lax.select(first, a, s) for a, s in zip(c, later)]
             pos = pos + digits[d] * units[d]
-        _, _, stored = _stored_run(b, spec, consts, c, xs, pos, inner, unroll)
+        _, _, stored = _stored_run(b, spec, consts, merge(c, fill, mask), xs, pos, inner, unroll)
         state = _pull_steps(b, spec, consts, xs, ct_ys, stored, pos, inner, state, unroll)
         return (state, new_bufs), None
 

@@ -66,6 +66,9 @@ class StaticPlan:
         widened_bytes: what a stored outer start takes again, cast wider, while its
             nest is back-propagated: the leaves a step casts to a wider dtype, which XLA
             may cast for the whole stack at once, out of the backward loop.
+        fill_bytes: what each nest keeps once besides its starts: the carry's leaves
+            that no later step's residuals depend on, which its starts leave out
+            (``carry_bytes`` counts the others), at the nest's first step.
         one_step_bytes: what a one-step segment back-propagated holds beyond the step
             in flight that the caller's working set counts (negative: short of it), in a
             plan that has any (a nest whose innermost segments are single steps): its
@@ -86,6 +89,7 @@ class StaticPlan:
     carry_rewrite_bytes: int = 0
     residual_rewrite_bytes: int = 0
     widened_bytes: int = 0
+    fill_bytes: int = 0
     one_step_bytes: int = 0
 
     @property
@@ -108,7 +112,7 @@ class StaticPlan:
         # the pieces before it store (a piece stored whole after it is already freed).
         nests = sum(len(p) > 1 for p in self.pieces)
         stored = [_piece_stored(p, c, r, c1) for p in self.pieces]
-        held = max(0, nests - 1) * self.piece_bytes
+        held = max(0, nests - 1) * self.piece_bytes + nests * self.fill_bytes
         # The buffers a nest refills with its inner levels' starts: XLA was seen to keep
         # every nest's apart from the others', so a nest's backward runs beside the
         # others' too; and to allocate them before the pieces after the nests are
@@ -426,6 +430,7 @@ def plan_static(
     carry_rewrite_bytes: int = 0,
     residual_rewrite_bytes: int = 0,
     widened_bytes: int = 0,
+    fill_bytes: int = 0,
     one_step_bytes: int = 0,
     max_depth: int = 4,
     fewest_bytes: bool = False,
@@ -452,7 +457,7 @@ def plan_static(
     sizes = (
         c, r, s, int(level_bytes), int(piece_bytes), int(loop_bytes), c1,
         int(carry_rewrite_bytes), int(residual_rewrite_bytes), int(widened_bytes),
-        int(one_step_bytes),
+        int(fill_bytes), int(one_step_bytes),
     )  # fmt: skip
     best: StaticPlan | None = None
 
