@@ -43,7 +43,8 @@ sqrt(T)'s bytes, temp within the same bound and time <= 1.6x nested sqrt(T)'s.
 
 Run:  PYTHONPATH=src python benchmarks/pareto.py [--quick] [--steps 1e4,1e5]
       [--bodies tanh4,elem256,matvec128,lstm32,lstm256,gru64,velocity64,scalar,elem4096,
-       rk4mlp,mixed256,counter16,conv8x128,attn32,bigx8,ysbig8,bf16c512,lse48,max32]
+       rk4mlp,mixed256,counter16,conv8x128,attn32,bigx8,ysbig8,bf16c512,lse48,max32,
+       tally256]
       [--executors auto,static,rows,recursion]
       [--rounds 5] [--first-call] [--max-run-bytes 4e9] [--threads one|all] [--out PATH]
       (``--quick``: T = 1000, tanh4 and lstm32, 3 rounds, in place of those flags)
@@ -413,6 +414,26 @@ def _max_wide(p, h, x):
     return h, jnp.sum(h)
 
 
+def _tally(p, c, x):
+    """A state of 256 floats and a tally of its signs, 1024 int32 that no derivative
+    reads."""
+    import jax.numpy as jnp
+
+    h, tally = c
+    h = jnp.tanh(h * p + x)
+    return (h, tally + (jnp.tile(h, 4) > 0).astype(jnp.int32)), jnp.sum(h)
+
+
+def _tally_inputs(num_steps):
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.split(jax.random.PRNGKey(19), 2)
+    xs = 0.3 * jax.random.normal(k[1], (num_steps, 256))
+    init = (jnp.zeros(256), jnp.zeros(1024, jnp.int32))
+    return 1.0 + 0.1 * jax.random.normal(k[0], (256,)), init, xs
+
+
 def _wide_inputs(rows, width, seed):
     def make(num_steps):
         import jax
@@ -455,6 +476,7 @@ BODIES = {
         Body("bf16c512", "a bfloat16 state of 512", _bf16_state, _bf16_state_inputs, BF16_RTOL),
         Body("lse48", "logsumexp over a 48 x 256 broadcast", _logsumexp, _wide_inputs(48, 256, 17)),
         Body("max32", "max over a 32 x 512 broadcast", _max_wide, _wide_inputs(32, 512, 18)),
+        Body("tally256", "256 floats and a tally of 1024 int32", _tally, _tally_inputs),
     )
 }
 
