@@ -950,3 +950,50 @@ def test_a_byte_budget_keeps_more_starts_of_a_carry_whose_count_no_derivative_re
         memory="12KiB", executor="static",
     )  # fmt: skip
     assert with_count.evaluations == alone.evaluations, (alone.why, with_count.why)
+
+
+def test_a_step_run_again_is_priced_without_the_work_of_leaves_it_does_not_keep():
+    # A nest's run again from a start computes only what the kept leaves' next values
+    # and the ys depend on (XLA drops the tally, whose values are not used): the time
+    # model prices it so. A body that keeps every leaf is priced as its step.
+    from memento.loops._body import make_body, rerun_profile, step_profile
+
+    w, h0, xs = _params(3, h=4)
+    c0 = (h0, jnp.zeros(32, jnp.int32), jnp.zeros((), h0.dtype))
+    body = make_body(_counted_cell(w), c0, xs[0], name="t")
+    kept = body.residual_spec().kept
+    full, again = step_profile(body), rerun_profile(body, kept)
+    assert again.ops < full.ops and again.bytes < full.bytes and again.flops < full.flops
+    # The state's own work is all there: the matvec's flops.
+    assert again.flops >= 2 * 4 * 4
+    plain = make_body(lambda h, x: (jnp.tanh(w @ h + x),) * 2, h0, xs[0], name="t")
+    assert rerun_profile(plain, [True]) == step_profile(plain)
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_at_checkpoint_per_steps_bytes_a_tally_no_derivative_reads_fits():
+    # lax.scan(jax.checkpoint(step)) stores the state alone per step; memento's plans at
+    # its bytes count the tally once per nest and compile within them, with lax.scan's
+    # gradient (`benchmarks/pareto.py --bodies tally256` times them).
+    with jax.enable_x64(False):
+        h0 = jnp.zeros(256)
+        xs = jax.random.normal(jax.random.PRNGKey(3), (3001, 256)) * 0.3
+        tally0 = jnp.zeros(1024, jnp.int32)
+        p = jnp.full(256, 1.05)
+
+        def cell(c, x, p=p):
+            h, tally = c
+            h = jnp.tanh(h * p + x)
+            return (h, tally + (jnp.tile(h, 4) > 0).astype(jnp.int32)), jnp.sum(h)
+
+        def loss(p, scan):
+            (h, _), ys = scan(functools.partial(cell, p=p), (h0, tally0), xs)
+            return jnp.sum(ys) + jnp.sum(h)
+
+        checkpointed = lambda f, c, x: lax.scan(jax.checkpoint(f), c, x)
+        idiom = _temp(jax.grad(lambda p: loss(p, checkpointed)), p)
+        for executor in ("auto", "static"):
+            run = functools.partial(memento.scan, memory=f"{idiom}B", executor=executor)
+            grad = jax.grad(lambda p, run=run: loss(p, run))
+            assert _temp(grad, p) <= idiom * 1.05 + 4096
+            np.testing.assert_allclose(grad(p), jax.grad(loss)(p, lax.scan), rtol=2e-5)

@@ -31,7 +31,16 @@ from ..planning.internals import (
     recursion_min_steps,
     step_seconds,
 )
-from ._body import Body, ResidualSpec, StepProfile, nbytes, recomputed_bytes, split, step_profile
+from ._body import (
+    Body,
+    ResidualSpec,
+    StepProfile,
+    nbytes,
+    recomputed_bytes,
+    rerun_profile,
+    split,
+    step_profile,
+)
 from ._budget import Bytes, Percent, choose_policy, choose_schedule, internal_slots, to_slots
 from ._interpreter import Program, compile_schedule, pool_bytes, rows_floor
 from ._pool import checks_enabled, varying
@@ -126,7 +135,9 @@ class _Fit:
     ``budget`` the request's bytes, or those slots (a percentage resolved); ``step`` one
     step's predicted seconds on ``backend`` in a loop of steps, ``again`` those of its
     work on the closed-over arrays alone, which such a loop hoists out (`StepProfile`'s
-    ``hoisted``), and which a step run again under remat does again.
+    ``hoisted``), and which a step run again under remat does again; ``rerun`` a step's
+    run again from a static nest's start, which keeps only the carry leaves later
+    residuals depend on (`rerun_profile`; None: ``step``).
     """
 
     body: Body
@@ -141,6 +152,7 @@ class _Fit:
     step: float
     dataflow: tuple[bool, bool] = (False, False)
     again: float = 0.0
+    rerun: float | None = None
 
     def seconds(self, evaluations: float, iterations: float, executor: str) -> float:
         """Predicted seconds of the rows or the recursion (which run each step whole)."""
@@ -265,11 +277,17 @@ def _measure(body: Body, request: Request, num_steps: int, slots: int | Percent,
         backend,
     )  # fmt: skip
     again = step_seconds(*hoisted, backend)
+    rerun = None
+    if spec.kept is not None and not all(spec.kept):
+        p = rerun_profile(body, spec.kept)
+        rerun = step_seconds(
+            p.flops - p.hoisted.flops, p.bytes - p.hoisted.bytes, p.ops - p.hoisted.ops, backend
+        )
     sizes = _static_sizes(body, spec, profile)
     dataflow = dataflow_loops(profile.matmuls, sum(body.carry_mask), profile.bytes, backend)
     return _Fit(
         body, request, num_steps, backend, spec, alpha, slots, budget, sizes, step, dataflow,
-        again,
+        again, rerun,
     )  # fmt: skip
 
 
@@ -296,7 +314,7 @@ def _static_fit(fit: _Fit) -> Choice | None:
         room = math.inf  # room for lax.scan's own memory: store every step
     seconds = functools.partial(
         _static_seconds, step=fit.step, again=fit.again, backend=fit.backend,
-        dataflow=fit.dataflow,
+        dataflow=fit.dataflow, rerun=fit.rerun,
     )  # fmt: skip
     prog = plan_static(fit.num_steps, room, **kinds, seconds=seconds)
 
@@ -452,23 +470,35 @@ def _no_static_plan(fit: _Fit) -> str:
 
 
 def _static_seconds(
-    plan: StaticPlan, *, step: float, again: float, backend: str, dataflow: tuple[bool, bool]
+    plan: StaticPlan,
+    *,
+    step: float,
+    again: float,
+    backend: str,
+    dataflow: tuple[bool, bool],
+    rerun: float | None = None,
 ) -> float:
     """Predicted seconds of a static plan with steps of ``step`` seconds on ``backend``,
     whose separate and fused loops run as dataflow graphs as ``dataflow`` says
     (`dataflow_loops`); a fused iteration (a one-step segment's, run again under remat
-    and back-propagated) also does ``again`` seconds of work that the loops hoist."""
+    and back-propagated) also does ``again`` seconds of work that the loops hoist. The
+    steps run again, beyond the first pass's, take ``rerun`` seconds (None: ``step``)."""
     separate, fused = plan.step_iterations
-    return fused * again + loop_seconds(
-        plan.evaluations,
-        plan.loop_iterations,
-        "static",
-        step=step,
-        backend=backend,
-        starts=plan.loop_starts,
-        spilled=plan.spilled_bytes(loop_costs(backend).cache),
-        rewritten=plan.rewritten_bytes,
-        dataflow=separate * dataflow[0] + fused * dataflow[1],
+    cheaper = 0.0 if rerun is None else (plan.evaluations - plan.num_steps) * (step - rerun)
+    return (
+        fused * again
+        - cheaper
+        + loop_seconds(
+            plan.evaluations,
+            plan.loop_iterations,
+            "static",
+            step=step,
+            backend=backend,
+            starts=plan.loop_starts,
+            spilled=plan.spilled_bytes(loop_costs(backend).cache),
+            rewritten=plan.rewritten_bytes,
+            dataflow=separate * dataflow[0] + fused * dataflow[1],
+        )
     )
 
 
