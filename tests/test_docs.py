@@ -170,6 +170,22 @@ def test_benchmarks_reductions_tables_are_results_pareto_reductions_json():
         assert line in page, line
 
 
+def test_benchmarks_tally_tables_are_results_pareto_tally_json():
+    # "memento at its peers' bytes": the tally body's headline and every executor's rows
+    # at each budget, rendered from their results.
+    import pareto
+
+    data = json.loads((ROOT / "benchmarks/results/pareto_tally.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
+    rows = [line for line in rows if not line.startswith(("| body |", "| --- |"))]
+    n = len(data["results"])
+    assert len(rows) == 5 * n  # the headline, three budgets, the peers
+    for line in rows[: 4 * n]:
+        assert line in page, line
+    assert all(b["memento"]["auto"]["pass"] for r in data["results"] for b in r["budgets"])
+
+
 def test_benchmarks_first_call_table_is_results_pareto_first_call_json():
     # "First calls of bodies that take microseconds a step", rendered from its results.
     import pareto
