@@ -155,34 +155,32 @@ def test_benchmarks_gpu_table_is_results_gpu_pareto_jsons():
         assert line in page, line
 
 
+def _grid_tables_on_page(name: str) -> dict:
+    """Asserts that the headline and every executor's rows at each budget of
+    ``benchmarks/results/{name}.json`` are on the Benchmarks page; returns the JSON."""
+    import pareto
+
+    data = json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
+    rows = [line for line in rows if not line.startswith(("| body |", "| --- |"))]
+    n = len(data["results"])
+    assert len(rows) == 5 * n  # the headline, three budgets, the peers
+    for line in rows[: 4 * n]:
+        assert line in page, line
+    return data
+
+
 def test_benchmarks_reductions_tables_are_results_pareto_reductions_json():
     # "memento at its peers' bytes": the wide reductions' headline and every executor's
     # rows at each budget, rendered from their results.
-    import pareto
-
-    data = json.loads((ROOT / "benchmarks/results/pareto_reductions.json").read_text())
-    page = (ROOT / "docs/benchmarks.md").read_text()
-    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
-    rows = [line for line in rows if not line.startswith(("| body |", "| --- |"))]
-    n = len(data["results"])
-    assert len(rows) == 5 * n  # the headline, three budgets, the peers
-    for line in rows[: 4 * n]:
-        assert line in page, line
+    _grid_tables_on_page("pareto_reductions")
 
 
 def test_benchmarks_tally_tables_are_results_pareto_tally_json():
-    # "memento at its peers' bytes": the tally body's headline and every executor's rows
-    # at each budget, rendered from their results.
-    import pareto
-
-    data = json.loads((ROOT / "benchmarks/results/pareto_tally.json").read_text())
-    page = (ROOT / "docs/benchmarks.md").read_text()
-    rows = [line for line in pareto.markdown(data).splitlines() if line.startswith("| ")]
-    rows = [line for line in rows if not line.startswith(("| body |", "| --- |"))]
-    n = len(data["results"])
-    assert len(rows) == 5 * n  # the headline, three budgets, the peers
-    for line in rows[: 4 * n]:
-        assert line in page, line
+    # The tally body's headline and every executor's rows at each budget; every auto
+    # cell passes.
+    data = _grid_tables_on_page("pareto_tally")
     assert all(b["memento"]["auto"]["pass"] for r in data["results"] for b in r["budgets"])
 
 

@@ -483,18 +483,13 @@ def rerun_profile(body: Body, kept: Sequence[bool]) -> StepProfile:
     ``kept`` (`ResidualSpec.kept`): only the work that its kept leaves' next values and
     its ys depend on (and effects), what XLA runs of a run whose other leaves' values
     are not used."""
-    jaxpr = body.jaxpr
-    num_carry = len(body.carry_avals)
-    wanted = [o for o, k in zip(jaxpr.outvars[:num_carry], kept) if k] + jaxpr.outvars[num_carry:]
-    needed = {v for v in wanted if not isinstance(v, jex_core.Literal)}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in needed for v in eqn.outvars):
-            eqns.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    pruned = jaxpr.replace(eqns=eqns[::-1], outvars=wanted)
-    tracked = {v for v, m in zip(jaxpr.constvars, body.const_mask) if m}
-    return _profile(pruned, tracked, fixed=set(jaxpr.constvars))
+    if _dce_jaxpr is None:  # pragma: no cover - older or newer JAX
+        return step_profile(body)
+    used = [*kept, *[True] * len(body.y_avals)]
+    pruned, _ = _dce_jaxpr(_constvars_in(body.jaxpr), used, instantiate=True)
+    consts = pruned.invars[: len(body.jaxpr.constvars)]
+    tracked = {v for v, m in zip(consts, body.const_mask) if m}
+    return _profile(pruned, tracked, fixed=set(consts))
 
 
 def step_profile(body: Body) -> StepProfile:
