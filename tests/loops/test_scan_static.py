@@ -997,3 +997,47 @@ def test_at_checkpoint_per_steps_bytes_a_tally_no_derivative_reads_fits():
             grad = jax.grad(lambda p, run=run: loss(p, run))
             assert _temp(grad, p) <= idiom * 1.05 + 4096
             np.testing.assert_allclose(grad(p), jax.grad(loss)(p, lax.scan), rtol=2e-5)
+
+
+def _unread_carry(w, xs, scan, h0):
+    """A state beside leaves no later residual reads (a weakly typed running sum, an int
+    count, a zero-size leaf): ``(h, total, empty, ys)``."""
+
+    def cell(c, x):
+        h, total, count, empty = c
+        h = jnp.tanh(w @ h + x)
+        return (h, total + jnp.sum(h), count + 1, empty * 2.0), h
+
+    (h, total, _, empty), ys = scan(cell, (h0, 0.0, jnp.int32(0), jnp.zeros((0, 3))), xs)
+    return h, total, empty, ys
+
+
+def _unread_loss(w, xs, scan, h0):
+    h, total, empty, ys = _unread_carry(w, xs, scan, h0)
+    return jnp.sum(ys**2) + jnp.sum(h) + total**2 + jnp.sum(empty)
+
+
+@pytest.mark.parametrize("memory", [30, "3000B"])
+def test_unread_carry_leaves_through_hessians_vmap_and_odd_cotangents(memory):
+    # A nest that keeps the state alone at its starts: float64 gradients, Hessians
+    # (forward over reverse) and vmapped gradients equal lax.scan's; NaN and -0
+    # cotangents pass through as lax.scan passes them.
+    w, h0, xs = _params(300, h=4)
+    run = functools.partial(memento.scan, memory=memory, executor="static")
+    ours = functools.partial(_unread_loss, scan=run, h0=h0)
+    ref = functools.partial(_unread_loss, scan=lax.scan, h0=h0)
+    for f in (jax.grad, lambda g: jax.jacfwd(jax.grad(g))):
+        np.testing.assert_allclose(f(ours)(w, xs), f(ref)(w, xs), rtol=1e-10, atol=1e-12)
+    batch = jnp.stack([xs, xs * 0.5])
+    got = jax.vmap(jax.grad(ours), (None, 0))(w, batch)
+    np.testing.assert_allclose(got, jax.vmap(jax.grad(ref), (None, 0))(w, batch), rtol=1e-10)
+    _, pull = jax.vjp(lambda w: _unread_carry(w, xs, run, h0), w)
+    _, pull_ref = jax.vjp(lambda w: _unread_carry(w, xs, lax.scan, h0), w)
+    zeros = (jnp.zeros(4), jnp.zeros(()), jnp.zeros((0, 3)), jnp.zeros((300, 4)))
+    nan = (zeros[0], jnp.array(jnp.nan), *zeros[2:])
+    negative_zero = (jnp.full(4, -0.0), *zeros[1:])
+    for cts in (nan, negative_zero):
+        (got,), (want,) = pull(cts), pull_ref(cts)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    assert np.isnan(pull(nan)[0]).all()  # the sum's NaN cotangent reaches every weight
