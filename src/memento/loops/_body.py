@@ -10,7 +10,9 @@ Internal states (the paper's Definition 3) are the residuals of ``jax.vjp`` of o
 the leaves of the pullback it returns. Residual leaves that *are* a const or the step's
 ``x`` are not stored (they are at hand in the backward pass), nor those computed from
 the consts alone (computed again where the pullback is rebuilt, as ``lax.scan`` hoists
-them out of its loop); the rest are, and their total size measures the paper's alpha.
+them out of its loop), nor those that cheap exact operations make from the others, the
+consts and ``x`` (``1 - tanh(a)`` beside ``tanh(a)``, a mask of ``x``: computed again
+too); the rest are, and their total size measures the paper's alpha.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ class ResidualSpec:
     depend on the consts alone (a weight transposed, cast or indexed): the same in every
     step, so they are computed again where a pullback is rebuilt instead of stored per
     step, as ``lax.scan`` hoists them out of its loop.
+
+    ``derived`` computes, from ``(consts, x, stored)``, the residuals that cheap exact
+    operations make from those (``1 - tanh(a)`` beside ``tanh(a)``, a mask of ``x``, a
+    residual listed twice): ``("derived", j)`` is its j-th output. They are computed
+    again where a pullback is rebuilt, not stored (None if there are none).
     """
 
     treedef: Any
@@ -114,6 +121,43 @@ class ResidualSpec:
     kept: tuple[bool, ...] | None = None
     invariant: Any = None
     invariant_consts: tuple[bool, ...] = ()
+    derived: Any = None
+    derived_x: tuple[int, ...] = ()
+
+    @property
+    def x_read(self) -> frozenset[int]:
+        """The leaves of ``x`` a pullback rebuilt by `Body.restore` reads: those it
+        holds, and those ``derived`` computes from (``derived_x``)."""
+        return frozenset(j for kind, j in self.source if kind == "x") | set(self.derived_x)
+
+
+class _Stored(NamedTuple):
+    """A step's pullback leaves' ``source`` and its ``stored`` residuals, with the probe's
+    trace (``traced``: to the carry, y, and then the stored residuals, from ``head`` on)
+    and the trace of the stored residuals alone (``closed``)."""
+
+    source: tuple
+    stored: tuple
+    traced: Any
+    closed: Any
+    head: int
+
+    def without(self, dropped: Sequence[bool], kind: str) -> _Stored:
+        """These with the stored residuals ``dropped`` picks computed elsewhere: the
+        leaves read from them become ``(kind, j)``, ``j`` the how-manieth dropped one."""
+        if not any(dropped):
+            return self
+        renumber = [(kind, sum(dropped[:j])) if d else ("stored", j - sum(dropped[:j]))
+                    for j, d in enumerate(dropped)]  # fmt: skip
+        source = tuple(renumber[j] if k == "stored" else (k, j) for k, j in self.source)
+        stored = tuple(s for s, d in zip(self.stored, dropped) if not d)
+        outvars = self.traced.jaxpr.outvars
+        kept = [o for o, d in zip(outvars[self.head :], dropped) if not d]
+        traced = self.traced.replace(
+            jaxpr=self.traced.jaxpr.replace(outvars=outvars[: self.head] + kept)
+        )
+        closed = self.closed.replace(jaxpr=self.closed.jaxpr.replace(outvars=kept))
+        return _Stored(source, stored, traced, closed, self.head)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -296,7 +340,7 @@ class Body:
         The probe sees exactly the avals (weak types included) that every later call
         sees, so the trace it makes is the one `save` makes.
         """
-        found = {}
+        found: dict = {}
 
         def probe(consts, carry, x):
             c, y, pullback = self.linearize(consts, carry, x)
@@ -311,23 +355,18 @@ class Body:
         head = len(self.carry_avals) + len(self.y_avals)
         # The stored residuals alone, for the analyses below.
         closed = traced.replace(jaxpr=traced.jaxpr.replace(outvars=traced.jaxpr.outvars[head:]))
-        source, stored = found["source"], tuple(stored)
+        res = _Stored(found["source"], tuple(stored), traced, closed, head)
         invariant, consts_used, fixed = _invariants(closed, len(self.consts))
-        if invariant is not None:
-            # The j-th stored leaf: the how-manieth invariant one, or kept one, it is.
-            renumber = [("invariant", sum(fixed[:j])) if f else ("stored", j - sum(fixed[:j]))
-                        for j, f in enumerate(fixed)]  # fmt: skip
-            source = tuple(renumber[j] if kind == "stored" else (kind, j) for kind, j in source)
-            stored = tuple(s for s, f in zip(stored, fixed) if not f)
-            outvars = traced.jaxpr.outvars
-            kept = [o for o, f in zip(outvars[head:], fixed) if not f]
-            traced = traced.replace(jaxpr=traced.jaxpr.replace(outvars=outvars[:head] + kept))
-            closed = closed.replace(jaxpr=closed.jaxpr.replace(outvars=kept))
+        res = res.without(fixed, "invariant")
+        derived, made, derived_x = _derived(res.closed, len(self.consts), len(self.carry_avals))
+        res = res.without(made, "derived")
+        source, stored, traced, closed = res.source, res.stored, res.traced, res.closed
         reads = _reads(closed, len(self.consts), self.carry_avals)
         return ResidualSpec(
             found["treedef"], source, stored, traced, found["captured"], reads=reads,
             kept=_kept(traced, len(self.consts), len(self.y_avals), reads),
-            invariant=invariant, invariant_consts=consts_used,
+            invariant=invariant, invariant_consts=consts_used, derived=derived,
+            derived_x=derived_x,
         )  # fmt: skip
 
     def per_step_temp_bytes(self, backend: str, num_steps: int) -> int | None:
@@ -428,6 +467,9 @@ class Body:
         pools = {"const": list(consts), "x": list(x), "stored": list(stored)}
         pools["captured"] = list(spec.captured)
         pools["invariant"] = _invariant_values(spec, consts)
+        if spec.derived is not None:
+            d = spec.derived
+            pools["derived"] = jax_core.eval_jaxpr(d.jaxpr, d.consts, *consts, *x, *stored)
         leaves = [pools[kind][j] for kind, j in spec.source]
         return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
@@ -739,6 +781,65 @@ def _invariants(closed, num_consts: int):
     return jex_core.ClosedJaxpr(pruned, held), consts_used, fixed
 
 
+# Operations whose result is the same wherever XLA computes it (each output element a
+# correctly rounded function of its inputs, or a move of data) and that cost about a
+# memory read: a residual made by them from others is computed again, not stored.
+_CHEAP = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "convert_element_type", "copy", "copy_p",
+    "eq", "expand_dims", "ge", "gt", "integer_pow", "le", "lt", "max", "min", "mul",
+    "ne", "neg", "not", "or", "reshape", "select_n", "sign", "square", "squeeze", "sub",
+})  # fmt: skip
+
+
+def _derived(closed, num_consts: int, num_carry: int):
+    """Of the outputs of ``closed`` (a step's stored residuals, of
+    ``(consts, carry, x)``), ``derived[i]`` whether the i-th is computed by `_CHEAP`
+    operations without effects from literals, the consts, ``x`` and outputs made before
+    it that are not derived (``1 - tanh(a)`` from ``tanh(a)``, a mask from ``x``, an
+    output listed twice); ``jaxpr`` computes those from ``(consts, x, kept)``, ``kept``
+    the outputs that are not derived, in order; ``x_read`` the leaves of ``x`` it reads.
+    Returns ``(jaxpr, derived, x_read)``: ``(None, all False, ())`` if none is derived."""
+    jaxpr = closed.jaxpr
+    x_vars = jaxpr.invars[num_consts + num_carry :]
+    outs = {}  # output var -> its first position
+    for i, o in enumerate(jaxpr.outvars):
+        if not isinstance(o, jex_core.Literal):
+            outs.setdefault(o, i)
+    # What a pullback has at hand, and the values cheap operations make from it.
+    known = {*jaxpr.constvars, *jaxpr.invars[:num_consts], *x_vars}
+    known.update(v for v in jaxpr.invars[num_consts : num_consts + num_carry] if v in outs)
+    cheap, made = set(), []
+    for eqn in jaxpr.eqns:  # in order: an output is decided before anything that reads it
+        ok = not eqn.effects and eqn.primitive.name in _CHEAP
+        ok = ok and all(_fixed(u, known) or u in cheap for u in eqn.invars)
+        for o in eqn.outvars:
+            if ok:
+                cheap.add(o)
+            elif o in outs:
+                known.add(o)
+        if ok:
+            made.append(eqn)
+    derived = tuple(
+        isinstance(o, jex_core.Literal) or o in cheap or outs[o] < i
+        for i, o in enumerate(jaxpr.outvars)
+    )
+    if not any(derived):
+        return None, derived, ()
+    kept = [o for o, d in zip(jaxpr.outvars, derived) if not d]
+    outvars = [o for o, d in zip(jaxpr.outvars, derived) if d]
+    # The cheap equations the derived outputs read, in order.
+    needed = {o for o in outvars if not isinstance(o, jex_core.Literal)}
+    eqns = []
+    for eqn in reversed(made):
+        if any(o in needed for o in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(u for u in eqn.invars if not isinstance(u, jex_core.Literal))
+    invars = [*jaxpr.invars[:num_consts], *x_vars, *kept]
+    body = jaxpr.replace(invars=invars, outvars=outvars, eqns=eqns[::-1], effects=frozenset())
+    read = tuple(j for j, v in enumerate(x_vars) if v in needed)
+    return jex_core.ClosedJaxpr(body, closed.consts), derived, read
+
+
 def _invariant_values(spec: ResidualSpec, consts) -> Leaves:
     """The residuals ``spec.invariant`` computes from ``consts`` (none if it has none)."""
     if spec.invariant is None:
@@ -748,11 +849,13 @@ def _invariant_values(spec: ResidualSpec, consts) -> Leaves:
 
 
 def recomputed_bytes(spec: ResidualSpec) -> int:
-    """Bytes of the residuals a pullback computes again from the consts (``invariant``),
-    but for a const's transpose: XLA folds a transpose into the op that reads it (a
-    matrix product's dimension numbers, a fusion's indexing), never an array of its own."""
+    """Bytes of the residuals a pullback computes again: from the consts (``invariant``),
+    but for a const's transpose (XLA folds a transpose into the op that reads it, a
+    matrix product's dimension numbers, a fusion's indexing, never an array of its own),
+    and from the others (``derived``)."""
+    derived = 0 if spec.derived is None else nbytes(spec.derived.out_avals)
     if spec.invariant is None:
-        return 0
+        return derived
     jaxpr = spec.invariant.jaxpr
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
@@ -762,7 +865,7 @@ def recomputed_bytes(spec: ResidualSpec) -> int:
             eqn is not None and eqn.primitive.name == "transpose" and not _in(eqn.invars[0], made)
         )
 
-    return nbytes([out.aval for out in jaxpr.outvars if not folded(out)])
+    return derived + nbytes([out.aval for out in jaxpr.outvars if not folded(out)])
 
 
 def _live(jaxpr):

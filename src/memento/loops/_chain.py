@@ -242,7 +242,7 @@ class _Replay:
         """Runs layer p from the working state keeping its residuals; returns the slot."""
         b, spec = self.bodies[p], self.specs[p]
         _, y, stored = b.save(spec, self.consts[p], [], self.cur)
-        needed = {j for kind, j in spec.source if kind == "x"}
+        needed = spec.x_read
         x = [l if j in needed else None for j, l in enumerate(self.cur)]
         self.cur = y
         return stored, x, y
