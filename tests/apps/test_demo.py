@@ -67,7 +67,7 @@ def _data(num_steps):
 
 def test_demo_without_matplotlib_skips_the_picture(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    args = types.SimpleNamespace(steps=16, out=str(tmp_path / "demo"), quick=True)
+    args = types.SimpleNamespace(steps=20, out=str(tmp_path / "demo"), quick=True)
     assert _demo.main(args) == 0
     out = capsys.readouterr().out
     assert (
