@@ -636,6 +636,14 @@ _ELEMENTWISE = frozenset(
     }
 )  # fmt: skip
 _REDUCTIONS = frozenset({"reduce_sum"})
+# Of those, the ones that cost more than a memory read, and that a backend may compute
+# differently from one fusion to another.
+_TRANSCENDENTAL = frozenset(
+    {
+        "cos", "div", "erf", "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow",
+        "rsqrt", "sin", "sqrt", "tan", "tanh",
+    }
+)  # fmt: skip
 
 
 def _reduced_away(jaxpr) -> set:
@@ -784,11 +792,7 @@ def _invariants(closed, num_consts: int):
 # Operations whose result is the same wherever XLA computes it (each output element a
 # correctly rounded function of its inputs, or a move of data) and that cost about a
 # memory read: a residual made by them from others is computed again, not stored.
-_CHEAP = frozenset({
-    "abs", "add", "and", "broadcast_in_dim", "convert_element_type", "copy", "copy_p",
-    "eq", "expand_dims", "ge", "gt", "integer_pow", "le", "lt", "max", "min", "mul",
-    "ne", "neg", "not", "or", "reshape", "select_n", "sign", "square", "squeeze", "sub",
-})  # fmt: skip
+_CHEAP = (_ELEMENTWISE - _TRANSCENDENTAL) | {"copy", "copy_p", "reshape"}
 
 
 def _derived(closed, num_consts: int, num_carry: int):
