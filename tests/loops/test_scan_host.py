@@ -203,15 +203,7 @@ def test_host_stores_and_loads_are_placed_on_the_host(monkeypatch, host, cost):
     "cell",
     [
         lambda W: lambda c, x: (jnp.tanh(W * c + x) * jnp.cos(c), jnp.sum(c)),
-        pytest.param(
-            lambda W: lambda c, x: (jnp.tanh(W * c + x), jnp.sum(c)),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known: where a step's internal state is one carry-shaped array, "
-                "XLA copies the host pool around a conditional of the rows executor "
-                "(a second pool's bytes on the device); see the Limitations page",
-            ),
-        ),
+        lambda W: lambda c, x: (jnp.tanh(W * c + x), jnp.sum(c)),
     ],
     ids=["two residual arrays", "one carry-shaped residual"],
 )

@@ -514,13 +514,16 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
     has_internal = prog.sweep_saves_internal
     has_host_internal = prog.sweep_host_saves_internal
 
-    def saver(level):
-        def save_step(c, slots, x, si, p):
-            c_new, y, res = body.save(spec, consts, c, x)
-            extra = c_new if prog.loads_internal else []
-            return c_new, y, level.save_internal(slots, si, res + extra, pos=p)
-
-        return save_step
+    def save_step(c, slots, x, at, p):
+        """The step, its internal state stored on the level whose place ``at`` names
+        (``(device place, host place)``; ``-1`` where that level stores nothing)."""
+        c_new, y, res = body.save(spec, consts, c, x)
+        leaves = res + (c_new if prog.loads_internal else [])
+        both = None not in at  # then each level writes where its place is set
+        for level, si in zip((layout, host), at):
+            if si is not None:
+                slots = level.save_internal(slots, si, leaves, si[0] >= 0 if both else None, pos=p)
+        return c_new, y, slots
 
     def primal_step(c, slots, x, si, p):
         c_new, y = body(consts, c, x)
@@ -557,17 +560,17 @@ def run_sweep(prog: Program, body: Body, spec: ResidualSpec, consts, init, xs, *
             slots = layout.save_hidden(slots, (sh_h, sh_i), c, sh_h >= 0, pos=p)
         if host is not None and prog.sweep_host_saves_hidden:
             slots = host.save_hidden(slots, (hh_h, hh_i), c, hh_h >= 0, pos=p)
-        if has_internal and has_host_internal:
-            # A step stores on the device, on the host, or nothing: one branch each.
-            which = jnp.where(si_h >= 0, 1, jnp.where(hi_h >= 0, 2, 0))
-            branches = (primal_step, saver(layout), saver(host))
-            at = (jnp.where(si_h >= 0, si_h, hi_h), jnp.where(si_h >= 0, si_i, hi_i))
-            c_new, y, slots = lax.switch(which, branches, c, slots, x, at, p)
-        elif has_internal or has_host_internal:
-            # Write-or-identity: the pool stays in place, and steps that store nothing
-            # run the primal only.
-            level, si = (layout, (si_h, si_i)) if has_internal else (host, (hi_h, hi_i))
-            c_new, y, slots = lax.cond(si[0] >= 0, saver(level), primal_step, c, slots, x, si, p)
+        if has_internal or has_host_internal:
+            # Write-or-identity: the pools stay in place, and steps that store nothing
+            # run the primal only. One conditional for both levels: a switch with a branch
+            # per level hands each branch the other's pool, and XLA copies them.
+            at = (
+                (si_h, si_i) if has_internal else None,
+                (hi_h, hi_i) if has_host_internal else None,
+            )
+            store = [si >= 0 for si, on in ((si_h, has_internal), (hi_h, has_host_internal)) if on]
+            store = store[0] | store[1] if len(store) == 2 else store[0]
+            c_new, y, slots = lax.cond(store, save_step, primal_step, c, slots, x, at, p)
         else:
             c_new, y, slots = primal_step(c, slots, x, None, p)
         return (p + 1, c_new, slots, ptrs), y
