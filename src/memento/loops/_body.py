@@ -130,6 +130,15 @@ class ResidualSpec:
         holds, and those ``derived`` computes from (``derived_x``)."""
         return frozenset(j for kind, j in self.source if kind == "x") | set(self.derived_x)
 
+    @property
+    def outputs(self) -> tuple[bool, ...]:
+        """Whether each stored residual is one of the step's outputs (a carry or ``y``
+        leaf) as it is: ``tanh``'s value, say, held once where the outputs are held."""
+        outvars = self.forward.jaxpr.outvars
+        head = len(outvars) - len(self.stored)
+        made = {v for v in outvars[:head] if isinstance(v, jex_core.Var)}
+        return tuple(v in made for v in outvars[head:])
+
 
 class _Stored(NamedTuple):
     """A step's pullback leaves' ``source`` and its ``stored`` residuals, with the probe's

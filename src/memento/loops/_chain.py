@@ -73,11 +73,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 
 from ..planning import Op, Schedule, walk
 from ..planning.internals import INITIAL, ChainPlan, ChainPolicy, check_layers, plan_layers
-from ._body import Body, make_body, nbytes, no_tangent_if_int, of_floats, to_floats
+from ._body import Body, ResidualSpec, make_body, nbytes, no_tangent_if_int, of_floats, to_floats
 from ._budget import Bytes, Percent
 from ._linear import Loop, differentiable
 
@@ -128,40 +127,26 @@ def _flops(b: Body) -> float:
     return max(1.0, float(flops or 0.0))
 
 
-def _residual_bytes(b: Body) -> int:
-    """Bytes of a layer's VJP residuals other than its input, output and parameters.
-
-    Traced abstractly; the jaxpr's variables tell buffers apart, so a residual that is
-    the layer's output (``tanh``'s, say) or the same buffer twice is counted once.
-    """
-
-    def probe(consts, x):
-        _, y, pullback = b.linearize(consts, [], x)
-        return y, jax.tree_util.tree_leaves(pullback)
-
-    closed = jax.make_jaxpr(probe)(_avals(b.consts), list(b.x_avals))
-    jaxpr = closed.jaxpr
-    n_y = len(b.y_avals)
-    seen = {id(v) for v in (*jaxpr.constvars, *jaxpr.invars)}
-    seen.update(id(v) for v in jaxpr.outvars[:n_y])
-    extra = []
-    for v in jaxpr.outvars[n_y:]:
-        if isinstance(v, jex_core.Var) and id(v) not in seen:  # not a Literal
-            seen.add(id(v))
-            extra.append(v.aval)
-    return nbytes(extra)
-
-
-def _sizes(bodies: Sequence[Body]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+def _sizes(
+    bodies: Sequence[Body], specs: Sequence[ResidualSpec]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+    """The planner's sizes: each layer's input, and its internal state (input, output,
+    and the residuals `_Replay` stores besides them, as `ResidualSpec` counts them)."""
     hidden = [nbytes(b.x_avals) for b in bodies] + [nbytes(bodies[-1].y_avals)]
     internal = [
-        hidden[p] + hidden[p + 1] + _residual_bytes(b) for p, b in enumerate(bodies)
+        hidden[p] + hidden[p + 1] + nbytes([a for a, o in zip(s.stored, s.outputs) if not o])
+        for p, s in enumerate(specs)
     ]  # includes input and output, as plan_chain requires
     return tuple(hidden), tuple(internal), tuple(_flops(b) for b in bodies)
 
 
-def _plan(bodies: Sequence[Body], budget: int | Bytes | Percent, policy: ChainPolicy) -> ChainPlan:
-    hidden, internal, flops = _sizes(bodies)
+def _plan(
+    bodies: Sequence[Body],
+    specs: Sequence[ResidualSpec],
+    budget: int | Bytes | Percent,
+    policy: ChainPolicy,
+) -> ChainPlan:
+    hidden, internal, flops = _sizes(bodies, specs)
     return plan_layers(flops, hidden, internal, budget, policy, name=_NAME)
 
 
@@ -180,7 +165,8 @@ def chain_plan(
     fns, budget = _check(fns, memory, policy)
     if budget is None:
         raise TypeError(f"{_NAME}: chain_plan needs a memory budget, got None.")
-    return _plan(_layers(fns, x), budget, policy)
+    bodies = _layers(fns, x)
+    return _plan(bodies, [b.residual_spec() for b in bodies], budget, policy)
 
 
 def _check(fns, memory, policy) -> tuple[list[Callable], int | Bytes | Percent | None]:
@@ -331,8 +317,8 @@ class _ChainLoop(Loop):
 
     def prepare(self, perturbed):
         restricted = self._restricted(perturbed)
-        plan = _plan(restricted, self.budget, self.policy)
-        return restricted, [b.residual_spec() for b in restricted], plan.schedule
+        specs = [b.residual_spec() for b in restricted]
+        return restricted, specs, _plan(restricted, specs, self.budget, self.policy).schedule
 
     def forward(self, plan, args):
         restricted, specs, schedule = plan
