@@ -95,6 +95,34 @@ def test_explain_and_scan_schedule_agree_and_check_as_scan_does(x64):
         memento.explain(cell, h0, xs[:0], memory=10)
 
 
+def test_shapes_alone_plan_as_the_arrays_of_those_shapes(x64):
+    # jax.ShapeDtypeStruct inputs, in a pytree, alone or beside arrays: the plan those
+    # arrays get, whatever the budget and executor; and a loop too long to hold at all.
+    w = jnp.eye(4) * 0.5
+
+    def cell(c, x):
+        h = jnp.tanh(w @ c["h"] + x[0] * x[1])
+        return {"h": h, "n": c["n"] + 1}, h
+
+    init = {"h": jnp.zeros(4), "n": jnp.int32(0)}
+    xs = (jnp.ones((3000, 4)), jnp.ones((3000, 1)))
+    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (init, xs))
+    for kw in ({"memory": "4KiB"}, {"memory": 20, "executor": "rows"}, {"memory": "1GiB"}):
+        plan = memento.explain(cell, init, xs, **kw)
+        assert str(memento.explain(cell, *shapes, **kw)) == str(plan)
+        assert str(memento.explain(cell, init, shapes[1], **kw)) == str(plan)
+        schedule = memento.explain(cell, *shapes, **kw).schedule
+        np.testing.assert_array_equal(schedule.actions, plan.schedule.actions)
+    huge = (
+        jax.ShapeDtypeStruct((10**8, 4), jnp.float64),
+        jax.ShapeDtypeStruct((10**8, 1), jnp.float64),
+    )
+    plan = memento.explain(cell, shapes[0], huge, memory="1MiB")
+    assert plan.num_steps == 10**8 and plan.program_bytes <= 2**20
+    with pytest.raises(ValueError, match="leading lengths"):
+        memento.explain(cell, shapes[0], (huge[0], xs[1]), memory="1MiB")
+
+
 def test_one_reading_of_the_arguments_for_every_entry_point():
     # The same bad argument gets the same message from scan, while_loop and chain (each
     # naming itself): they read it in one place.

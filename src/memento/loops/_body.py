@@ -41,13 +41,15 @@ def is_float(x) -> bool:
 
 def platform(*trees) -> str:
     """The platform a loop over ``trees`` runs on, for the planner's time model: that of
-    the first committed concrete array among them, else the default device's
-    (``jax.default_device``), else JAX's default backend. Under ``jit`` the inputs are
-    tracers, and the default device decides."""
+    the first committed concrete array (or ``jax.ShapeDtypeStruct`` with a sharding)
+    among them, else the default device's (``jax.default_device``), else JAX's default
+    backend. Under ``jit`` the inputs are tracers, and the default device decides."""
     for leaf in jax.tree_util.tree_leaves(trees):
         concrete = isinstance(leaf, jax.Array) and not isinstance(leaf, jax_core.Tracer)
         if concrete and getattr(leaf, "committed", False):
             return next(iter(leaf.devices())).platform
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+            return next(iter(leaf.sharding.device_set)).platform
     device = jax.config.jax_default_device
     if device is not None:
         return device if isinstance(device, str) else device.platform

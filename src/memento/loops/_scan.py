@@ -166,7 +166,9 @@ def explain(
     The plan is chosen exactly as `memento.scan` chooses it when the gradient is traced
     (the same alpha measured from the step's residuals, the same executor, the same refit
     of the budget), for the platform of ``init`` and ``xs``. Traces ``f`` once,
-    abstractly; compiles and runs nothing. ``print(plan)`` says it in one paragraph.
+    abstractly; compiles and runs nothing. ``init`` and ``xs`` may be arrays or
+    ``jax.ShapeDtypeStruct``s (the plan for a loop too large to hold, before holding it).
+    ``print(plan)`` says it in one paragraph.
 
     Args:
         f, init, xs: as `memento.scan` (and ``jax.lax.scan``).
@@ -250,6 +252,22 @@ def _explain(name, f, init, xs, *, memory, policy, length, reverse, wrt, executo
             f"{name}: memory=None is lax.scan, which keeps every step and follows no "
             "schedule; pass a budget (slots, '256MiB' or memento.bytes_budget(n))."
         )
+    backend = platform(init, xs)
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves((init, xs))):
+        # Shapes alone: plan for them as for arrays of them (f is traced abstractly).
+        found = []
+        jax.eval_shape(
+            lambda init, xs: found.append(
+                _plan_for(name, f, init, xs, request, length, reverse, wrt, backend)
+            ),
+            init,
+            xs,
+        )
+        return found[0]
+    return _plan_for(name, f, init, xs, request, length, reverse, wrt, backend)
+
+
+def _plan_for(name, f, init, xs, request, length, reverse, wrt, backend) -> Plan:
     num_steps, x_leaves = _steps(xs, length, reverse, name=name)
     if num_steps == 0:
         raise ValueError(f"{name}: a scan of 0 steps runs lax.scan and has no schedule.")
@@ -261,7 +279,6 @@ def _explain(name, f, init, xs, *, memory, policy, length, reverse, wrt, executo
         ["init" in wrt] * len(body.carry_avals),
         ["xs" in wrt] * len(body.x_avals),
     )
-    backend = platform(init, xs)
     _, choice = choose(body, request=request, num_steps=num_steps, slots=slots, backend=backend)
     return choice.plan(request, backend, num_steps)
 
